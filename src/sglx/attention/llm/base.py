@@ -1,0 +1,94 @@
+"""The contract every paged LLM attention backend implements.
+
+Once per step the runner calls `init_forward_metadata(batch)`; every layer then calls `forward`,
+which saves this step's K/V at `batch.out_cache_loc` and attends with `forward_extend` (prefill over
+cached prefix + new tokens, also MIXED steps) or `forward_decode` (one query per request).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from sglx.llm.forward_batch import ForwardBatch
+from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one attention layer asks of the backend."""
+
+    layer_id: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None = None  # a query at position i sees keys j with i - window < j <= i
+    logit_cap: float = 0.0  # > 0: scores = cap * tanh(scores / cap)
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend needs at construction; shared pools are owned by the model runner."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    req_to_token_pool: ReqToTokenPool
+    token_kv_pool: TokenKVPool
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Base class; backends that can be captured in CUDA graphs override the graph hooks."""
+
+    name: ClassVar[str] = "base"
+    supports_cuda_graph: ClassVar[bool] = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Build per-step metadata (indices, plans) once; every layer reuses it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]."""
+        if batch.mode.is_decode:
+            return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+
+    # CUDA-graph hooks: only backends with supports_cuda_graph = True implement them.
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    @staticmethod
+    def save_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
+        batch.token_kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)

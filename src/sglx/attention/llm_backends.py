@@ -1,0 +1,196 @@
+"""Declarations of every LLM attention backend (MHA and MLA), one `register` call each.
+
+Features of a backend sglx implements state sglx's own implementation; for a backend sglx only
+declares, they are SGLang's published support matrix (the reference users know).
+"""
+
+from __future__ import annotations
+
+from sglx.attention.registry import BackendSpec, LLMFeatures, PageSizeRule, register
+from sglx.attention.requirements import (
+    Capability,
+    CapabilityIn,
+    CpuFlags,
+    OnPlatform,
+    Package,
+    TorchAtLeast,
+)
+
+CUDA = OnPlatform(("cuda",))
+ROCM = OnPlatform(("rocm",))
+SM90 = CapabilityIn(((9, 0),))
+BLACKWELL_DC = CapabilityIn(((10, None),))
+
+# ---------------------------------------------------------------- MHA
+
+register(BackendSpec(
+    name="flashinfer", family="llm", kind="mha", title="FlashInfer",
+    summary="FlashInfer paged prefill/decode kernels; SGLang's default on Ampere/Ada.",
+    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=True, spec_topk_gt1=True,
+                         sliding_window=True, multimodal=False, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="fa3", family="llm", kind="mha", title="FlashAttention 3",
+    summary="FlashAttention 3 with paged KV; SGLang's default on Hopper with CUDA >= 12.3.",
+    requires=(CUDA, Capability(min=(8, 0), max=(9, 0)), Package(("flash_attn_interface",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=True, spec_topk_gt1=True,
+                         sliding_window=True, multimodal=True, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="fa4", family="llm", kind="mha", title="FlashAttention 4",
+    summary="FlashAttention 4 (CuTe DSL) for SM90 and SM100; decode has no split-KV on Hopper.",
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=True, spec_topk_gt1=True,
+                         sliding_window=False, multimodal=True, page_sizes=PageSizeRule((128,), on=SM90),
+                         cuda_graph=True),
+    notes="On SM90 page_size must be 128; decode is slower than fa3 at long context on Hopper (no split-KV).",
+))
+
+register(BackendSpec(
+    name="triton", family="llm", kind="mha", title="Triton",
+    summary="Portable Triton kernels (split-KV decode, extend); runs on any CUDA or ROCm GPU.",
+    requires=(OnPlatform(("cuda", "rocm", "xpu")), Package(("triton",))),
+    features=LLMFeatures(native_paging=False, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=True,
+                         sliding_window=True, multimodal=True, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="torch_native", family="llm", kind="mha", title="Torch Native (SDPA)",
+    summary="PyTorch scaled_dot_product_attention over KV gathered from the paged pool; runs everywhere.",
+    requires=(),
+    features=LLMFeatures(native_paging=False, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=False, cuda_graph=False),
+    factory="sglx.attention.llm.torch_native:TorchNativeBackend",
+    notes="Reference backend: correct on every device and page size, not tuned for speed; no CUDA graphs.",
+))
+
+register(BackendSpec(
+    name="flex_attention", family="llm", kind="mha", title="FlexAttention (PyTorch)",
+    summary="torch.nn.attention.flex_attention with block masks.",
+    requires=(TorchAtLeast((2, 5)),),
+    features=LLMFeatures(native_paging=False, fp8_kv=False, fp4_kv=True, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=False, multimodal=False),
+))
+
+register(BackendSpec(
+    name="trtllm_mha", family="llm", kind="mha", title="TRT-LLM MHA",
+    summary="TensorRT-LLM MHA kernels via FlashInfer; SGLang's default on Blackwell (XQA decode on SM90/SM120).",
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None), (12, None))), Package(("flashinfer",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=False, page_sizes=PageSizeRule((16, 32, 64)),
+                         cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="dual_chunk_flash_attn", family="llm", kind="mha", title="Dual Chunk FlashAttention",
+    summary="Dual-chunk attention for million-token-context Qwen2.5-1M models.",
+    requires=(CUDA, Capability(min=(8, 0)), Package(("sgl_kernel",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False),
+))
+
+register(BackendSpec(
+    name="aiter", family="llm", kind="mha", title="AITER (ROCm)",
+    summary="AMD AITER kernels; SGLang's default on ROCm.",
+    requires=(ROCM, Package(("aiter",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=True, spec_topk_gt1=True,
+                         sliding_window=True, multimodal=True, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="wave", family="llm", kind="mha", title="Wave (ROCm)",
+    summary="AMD Wave DSL kernels.",
+    requires=(ROCM, Package(("wave_lang",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False),
+))
+
+register(BackendSpec(
+    name="ascend", family="llm", kind="mha", title="Ascend (NPU)",
+    summary="Huawei Ascend NPU attention via torch_npu.",
+    requires=(OnPlatform(("npu",)), Package(("torch_npu",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=True, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=True, page_sizes=PageSizeRule((128,))),
+))
+
+register(BackendSpec(
+    name="intel_xpu", family="llm", kind="mha", title="Intel XPU",
+    summary="Intel GPU (XPU) attention kernels.",
+    requires=(OnPlatform(("xpu",)), Package(("sgl_kernel",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=True),
+))
+
+register(BackendSpec(
+    name="intel_amx", family="llm", kind="mha", title="Intel AMX (CPU)",
+    summary="CPU attention using Intel AMX tiles (sgl-kernel CPU build).",
+    requires=(OnPlatform(("cpu",)), CpuFlags(("amx_bf16", "amx_tile")), Package(("sgl_kernel",))),
+    features=LLMFeatures(native_paging=False, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False),
+))
+
+# ---------------------------------------------------------------- MLA
+
+register(BackendSpec(
+    name="flashinfer", family="llm", kind="mla", title="FlashInfer MLA",
+    summary="FlashInfer MLA kernels.",
+    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+                         chunked_prefix_cache=True, page_sizes=PageSizeRule((1,)), cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="flashmla", family="llm", kind="mla", title="FlashMLA",
+    summary="DeepSeek FlashMLA decode kernels for Hopper.",
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_mla", "sgl_kernel"))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+                         chunked_prefix_cache=True, page_sizes=PageSizeRule((64,)), cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="cutlass_mla", family="llm", kind="mla", title="Cutlass MLA",
+    summary="CUTLASS MLA decode for Blackwell.",
+    requires=(CUDA, BLACKWELL_DC, Package(("sgl_kernel",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+                         chunked_prefix_cache=True, page_sizes=PageSizeRule((128,)), cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="trtllm_mla", family="llm", kind="mla", title="TRT-LLM MLA (Blackwell)",
+    summary="TensorRT-LLM MLA kernels via FlashInfer; SGLang's MLA default on Blackwell.",
+    requires=(CUDA, BLACKWELL_DC, Package(("flashinfer",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+                         chunked_prefix_cache=True, page_sizes=PageSizeRule((32, 64)), cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="fa3", family="llm", kind="mla", title="FlashAttention 3 (MLA)",
+    summary="FlashAttention 3 MLA path; SGLang's MLA default on Hopper with CUDA >= 12.3.",
+    requires=(CUDA, Capability(min=(8, 0), max=(9, 0)), Package(("flash_attn_interface",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=True,
+                         spec_topk_gt1="page_size=1 only", chunked_prefix_cache=True, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="triton", family="llm", kind="mla", title="Triton (MLA)",
+    summary="Portable Triton MLA kernels.",
+    requires=(OnPlatform(("cuda", "rocm", "xpu")), Package(("triton",))),
+    features=LLMFeatures(native_paging=False, fp8_kv=False, fp4_kv=False, spec_topk1=True,
+                         spec_topk_gt1="page_size=1 only", chunked_prefix_cache=False, cuda_graph=True),
+))
+
+register(BackendSpec(
+    name="fa4", family="llm", kind="mla", title="FlashAttention 4 (MLA)",
+    summary="FlashAttention 4 MLA (prefill), SM90/SM100.",
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=False, spec_topk_gt1=False,
+                         chunked_prefix_cache=True, page_sizes=PageSizeRule((1,))),
+))
+
+register(BackendSpec(
+    name="ascend", family="llm", kind="mla", title="Ascend MLA (NPU)",
+    summary="Huawei Ascend NPU MLA via torch_npu.",
+    requires=(OnPlatform(("npu",)), Package(("torch_npu",))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         page_sizes=PageSizeRule((128,))),
+))

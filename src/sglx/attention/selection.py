@@ -1,0 +1,308 @@
+"""Which attention backend runs: pure functions of (platform snapshot, model traits, user request).
+
+Explicit choices are validated and never rewritten; auto selection follows SGLang's documented rules
+but only among backends whose requirements hold here, and records why every other candidate lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from sglx.attention.registry import (
+    BackendSpec,
+    all_backends,
+    availability,
+    backend_names,
+    find,
+)
+from sglx.attention.request import AttentionRequest, Family, Kind
+from sglx.attention.requirements import CudaAtLeast, device_name
+from sglx.errors import BackendUnavailableError
+from sglx.platform import PlatformSnapshot
+
+HOPPER_FA3_CUDA = CudaAtLeast((12, 3))
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What selection needs to know about a model."""
+
+    mla: bool = False
+    head_dim: int | None = None
+    dtype: str | None = None
+    sliding_window: bool = False
+    multimodal: bool = False
+
+    @property
+    def kind(self) -> Kind:
+        return "mla" if self.mla else "mha"
+
+
+@dataclass(frozen=True)
+class LLMBackendArgs:
+    """The user's attention-related flags, exactly as given (None = not given)."""
+
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    page_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    spec_topk: int | None = None
+
+
+@dataclass(frozen=True)
+class Considered:
+    name: str
+    ok: bool
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LLMSelection:
+    prefill: str
+    decode: str
+    page_size: int
+    source: str  # "explicit" | "auto" | "mixed"
+    why: str
+    considered: tuple[Considered, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return self.prefill != self.decode
+
+    @property
+    def label(self) -> str:
+        return f"hybrid (prefill={self.prefill}, decode={self.decode})" if self.hybrid else self.decode
+
+
+@dataclass(frozen=True)
+class DiffusionSelection:
+    backend: str
+    source: str  # "forced" | "cli" | "auto"
+    why: str
+    considered: tuple[Considered, ...] = ()
+
+
+def _kind_label(kind: Kind) -> str:
+    return {"mha": "an MHA model", "mla": "an MLA model", "dit": "a diffusion model"}[kind]
+
+
+def runnable(snap: PlatformSnapshot, req: AttentionRequest) -> tuple[str, ...]:
+    """Names of the backends of req's family and kind that would run here."""
+    return tuple(s.name for s in all_backends(req.family, req.kind) if availability(s, snap, req).ok)
+
+
+def _resolve(name: str, family: Family, kind: Kind, flag: str) -> BackendSpec:
+    spec = find(name, family, kind)
+    if spec is not None:
+        return spec
+    other_kind = {"mha": "mla", "mla": "mha"}.get(kind)
+    if other_kind and find(name, family, other_kind) is not None:  # type: ignore[arg-type]
+        choices = ", ".join(backend_names(family, kind))
+        raise BackendUnavailableError(
+            f"{flag} {name}: {name} has no {kind.upper()} implementation, and this is {_kind_label(kind)}. "
+            f"{kind.upper()} backends: {choices}."
+        )
+    choices = ", ".join(backend_names(family, kind))
+    raise BackendUnavailableError(f"{flag} {name}: unknown attention backend. Choose one of: {choices}.")
+
+
+def _explicit(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionRequest, flag: str) -> None:
+    """Raise the one error type, listing the reasons and what would run, when an explicit choice can't run."""
+    avail = availability(spec, snap, req)
+    if avail.ok:
+        return
+    alternatives = runnable(snap, req)
+    lines = [f"{flag} {spec.name} cannot run here:"]
+    lines += [f"  - {r}" for r in avail.reasons]
+    if alternatives:
+        lines.append(f"Backends that would run here: {', '.join(alternatives)} (e.g. {flag} {alternatives[0]}).")
+    else:
+        lines.append(f"No {spec.kind.upper()} attention backend can run here for this request.")
+    raise BackendUnavailableError("\n".join(lines))
+
+
+def llm_auto_candidates(snap: PlatformSnapshot, kind: Kind) -> tuple[tuple[str, str], ...]:
+    """SGLang's auto-selection order for this platform, each with the rule that put it there."""
+    cc = snap.capability
+    out: list[tuple[str, str]] = []
+    if snap.device_kind == "cuda":
+        if cc is not None and cc[0] == 9:
+            out.append(("fa3", "Hopper defaults to fa3 (with CUDA >= 12.3)"))
+        elif cc is not None and cc[0] == 10:
+            name = "trtllm_mla" if kind == "mla" else "trtllm_mha"
+            out.append((name, f"Blackwell (SM{cc[0]}{cc[1]}) defaults to {name}"))
+        if kind == "mha":
+            out.append(("flashinfer", "other CUDA GPUs default to flashinfer when it is installed"))
+            out.append(("triton", "triton is the portable fallback on CUDA"))
+            out.append(("torch_native", "torch_native runs everywhere"))
+        else:
+            out.append(("triton", "MLA falls back to triton"))
+    elif snap.device_kind == "rocm":
+        if kind == "mha":
+            out += [("aiter", "ROCm defaults to aiter"), ("triton", "triton runs on ROCm"),
+                    ("torch_native", "torch_native runs everywhere")]
+        else:
+            out.append(("triton", "MLA on ROCm uses triton"))
+    elif snap.device_kind == "npu":
+        out.append(("ascend", "Ascend NPUs default to ascend"))
+        if kind == "mha":
+            out.append(("torch_native", "torch_native runs everywhere"))
+    elif snap.device_kind == "xpu":
+        if kind == "mha":
+            out += [("intel_xpu", "Intel XPU defaults to intel_xpu"), ("triton", "triton runs on XPU"),
+                    ("torch_native", "torch_native runs everywhere")]
+        else:
+            out.append(("triton", "MLA on XPU uses triton"))
+    elif kind == "mha":
+        out.append(("torch_native", f"{device_name(snap.device_kind)} defaults to torch_native"))
+    return tuple(out)
+
+
+def _auto_rule_reasons(name: str, snap: PlatformSnapshot) -> list[str]:
+    """Conditions of an auto rule beyond the backend's own requirements (Hopper's CUDA >= 12.3 for fa3)."""
+    if name == "fa3" and snap.capability is not None and snap.capability[0] == 9:
+        reason = HOPPER_FA3_CUDA.check(snap, AttentionRequest())
+        return [f"auto picks fa3 on Hopper only with CUDA >= 12.3 ({reason})"] if reason else []
+    return []
+
+
+def _auto_llm(snap: PlatformSnapshot, req: AttentionRequest) -> tuple[str, str, tuple[Considered, ...]]:
+    considered: list[Considered] = []
+    for name, rule in llm_auto_candidates(snap, req.kind):
+        spec = find(name, "llm", req.kind)
+        if spec is None:
+            continue
+        reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, req).reasons]
+        considered.append(Considered(name, not reasons, tuple(reasons)))
+        if not reasons:
+            return name, rule, tuple(considered)
+    lines = [f"no attention backend for {_kind_label(req.kind)} can run on this "
+             f"{device_name(snap.device_kind)} machine:"]
+    lines += [f"  - {c.name}: {'; '.join(c.reasons)}" for c in considered]
+    if not considered:
+        lines.append(f"  - sglx has no {req.kind.upper()} backend for {device_name(snap.device_kind)}")
+    raise BackendUnavailableError("\n".join(lines))
+
+
+def _page_size(specs: list[BackendSpec], snap: PlatformSnapshot, requested: int | None) -> int:
+    """The page size every chosen backend accepts: the user's (validated earlier) or one the rules allow."""
+    if requested is not None:
+        return requested
+    allowed: set[int] | None = None
+    for spec in specs:
+        rule = spec.page_size_rule(snap)
+        if rule is not None:
+            allowed = set(rule.sizes) if allowed is None else allowed & set(rule.sizes)
+    if allowed is None:
+        return 1
+    if not allowed:
+        names = " and ".join(s.name for s in specs)
+        raise BackendUnavailableError(f"{names} need page sizes that do not overlap; pick backends that agree.")
+    return max(allowed)
+
+
+def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs) -> LLMSelection:
+    """Prefill and decode backends plus the page size, or BackendUnavailableError with reasons."""
+    if args.page_size is not None and args.page_size < 1:
+        raise BackendUnavailableError(f"--page-size {args.page_size}: the page size must be a positive integer.")
+    req = AttentionRequest(
+        family="llm", kind=traits.kind, dtype=traits.dtype, head_dim=traits.head_dim, page_size=args.page_size,
+        kv_cache_dtype=args.kv_cache_dtype, sliding_window=traits.sliding_window, spec_topk=args.spec_topk,
+        multimodal=traits.multimodal,
+    )
+    explicit: dict[str, tuple[BackendSpec, str]] = {}
+    for flag, value in (("--attention-backend", args.attention_backend),
+                        ("--prefill-attention-backend", args.prefill_attention_backend),
+                        ("--decode-attention-backend", args.decode_attention_backend)):
+        if value:
+            spec = _resolve(value, "llm", traits.kind, flag)
+            _explicit(spec, snap, req, flag)
+            explicit[flag] = (spec, flag)
+    considered: tuple[Considered, ...] = ()
+    base = explicit.get("--attention-backend")
+    base_name = base[0].name if base else None
+    why = f"--attention-backend {base_name}" if base_name else ""
+    need_auto = base is None and not (
+        "--prefill-attention-backend" in explicit and "--decode-attention-backend" in explicit
+    )
+    if need_auto:
+        base_name, why, considered = _auto_llm(snap, req)
+    prefill = explicit.get("--prefill-attention-backend", (None,))[0]
+    decode = explicit.get("--decode-attention-backend", (None,))[0]
+    prefill = prefill.name if prefill else base_name
+    decode = decode.name if decode else base_name
+    assert prefill is not None and decode is not None  # one of the branches above always sets them
+    specs = [s for s in (find(prefill, "llm", traits.kind), find(decode, "llm", traits.kind)) if s is not None]
+    page = _page_size(specs, snap, args.page_size)
+    source = "auto" if need_auto and not explicit else ("explicit" if not need_auto else "mixed")
+    if "--prefill-attention-backend" in explicit or "--decode-attention-backend" in explicit:
+        parts = [f"{f} {s.name}" for f, (s, _) in explicit.items() if f != "--attention-backend"]
+        why = f"{why}; " if why else ""
+        why += ", ".join(parts) + ("; the other phase inherits" if len(parts) == 1 else "")
+    return LLMSelection(prefill, decode, page, source, why, considered)
+
+
+# ---------------------------------------------------------------- diffusion
+
+_FORCED: list[str | None] = [None]
+
+
+def global_force_attn_backend(name: str | None) -> None:
+    """Force every diffusion attention layer onto one backend (None clears it); beats the CLI and auto."""
+    if name is not None and find(name, "diffusion", "dit") is None:
+        choices = ", ".join(backend_names("diffusion"))
+        raise BackendUnavailableError(f"unknown diffusion attention backend {name!r}. Choose one of: {choices}.")
+    _FORCED[0] = name
+
+
+def forced_attn_backend() -> str | None:
+    return _FORCED[0]
+
+
+@contextlib.contextmanager
+def global_force_attn_backend_context_manager(name: str | None) -> Iterator[None]:
+    """Force a diffusion backend inside a `with` block, restoring the previous choice afterwards."""
+    previous = _FORCED[0]
+    global_force_attn_backend(name)
+    try:
+        yield
+    finally:
+        _FORCED[0] = previous
+
+
+def diffusion_auto_candidates(snap: PlatformSnapshot) -> tuple[tuple[str, str], ...]:
+    if snap.device_kind == "cuda":
+        return (("fa", "CUDA prefers FlashAttention (SM80+, fp16/bf16, supported head size, installed)"),
+                ("torch_sdpa", "torch_sdpa is the fallback on CUDA"))
+    if snap.device_kind == "rocm":
+        return (("fa", "ROCm uses FlashAttention when available"), ("torch_sdpa", "torch_sdpa is the fallback"))
+    return (("torch_sdpa", f"{device_name(snap.device_kind)} always uses torch_sdpa"),)
+
+
+def select_diffusion(
+    snap: PlatformSnapshot,
+    req: AttentionRequest | None = None,
+    cli_backend: str | None = None,
+) -> DiffusionSelection:
+    """Forced backend > --attention-backend > auto; aliases fa3/fa4 normalize to fa."""
+    req = replace(req or AttentionRequest(), family="diffusion", kind="dit")
+    for source, name, flag in (("forced", _FORCED[0], "global_force_attn_backend"),
+                               ("cli", cli_backend, "--attention-backend")):
+        if name:
+            spec = _resolve(name, "diffusion", "dit", flag)
+            _explicit(spec, snap, req, flag)
+            return DiffusionSelection(spec.name, source, f"{flag}({name})" if source == "forced" else f"{flag} {name}")
+    considered: list[Considered] = []
+    for name, rule in diffusion_auto_candidates(snap):
+        spec = find(name, "diffusion", "dit")
+        assert spec is not None
+        avail = availability(spec, snap, req)
+        considered.append(Considered(name, avail.ok, avail.reasons))
+        if avail.ok:
+            return DiffusionSelection(name, "auto", rule, tuple(considered))
+    lines = ["no diffusion attention backend can run here:"]
+    lines += [f"  - {c.name}: {'; '.join(c.reasons)}" for c in considered]
+    raise BackendUnavailableError("\n".join(lines))

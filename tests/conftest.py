@@ -1,0 +1,3 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
