@@ -183,8 +183,10 @@ register(BackendSpec(
     name="fa4", family="llm", kind="mla", title="FlashAttention 4 (MLA)",
     summary="FlashAttention 4 MLA (prefill), SM90/SM100.",
     requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",))),
+    # The matrix lists native page size 1, but unlike FlashInfer MLA it is not a hard constraint: the seeds
+    # pair `--prefill-attention-backend fa4` with trtllm_mla decode, which needs page size 32 or 64.
     features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=False, spec_topk_gt1=False,
-                         chunked_prefix_cache=True, page_sizes=PageSizeRule((1,))),
+                         chunked_prefix_cache=True, native_sizes_note="1"),
 ))
 
 register(BackendSpec(

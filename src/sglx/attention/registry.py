@@ -50,10 +50,14 @@ class LLMFeatures:
     chunked_prefix_cache: bool = False
     page_sizes: PageSizeRule | None = None  # None: any page size (emulated when not native)
     cuda_graph: bool = False
+    # Native page sizes the matrix lists for a kernel that can still emulate others (shown, not enforced).
+    native_sizes_note: str | None = None
 
     def native_page_sizes(self) -> str:
         if self.page_sizes is not None:
             return self.page_sizes.describe()
+        if self.native_sizes_note is not None:
+            return self.native_sizes_note
         return "any" if self.native_paging else "n/a (emulated)"
 
 

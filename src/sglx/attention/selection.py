@@ -169,13 +169,37 @@ def _auto_rule_reasons(name: str, snap: PlatformSnapshot) -> list[str]:
     return []
 
 
-def _auto_llm(snap: PlatformSnapshot, req: AttentionRequest) -> tuple[str, str, tuple[Considered, ...]]:
+def _page_sizes_text(spec: BackendSpec, snap: PlatformSnapshot) -> str:
+    rule = spec.page_size_rule(snap)
+    return f"{spec.name} needs --page-size {', '.join(map(str, rule.sizes))}" if rule else f"{spec.name}: any"
+
+
+def _page_conflict(spec: BackendSpec, fixed: tuple[tuple[str, BackendSpec], ...], snap: PlatformSnapshot,
+                   req: AttentionRequest) -> list[str]:
+    """Why an auto candidate cannot share one page size with the backend the user fixed for the other phase."""
+    rule = spec.page_size_rule(snap)
+    if req.page_size is not None or rule is None:
+        return []
+    reasons = []
+    for flag, other in fixed:
+        other_rule = other.page_size_rule(snap)
+        if other_rule is not None and not set(rule.sizes) & set(other_rule.sizes):
+            reasons.append(f"{_page_sizes_text(spec, snap)} but {flag} {other.name} needs "
+                           f"--page-size {', '.join(map(str, other_rule.sizes))}; the phases share one KV pool")
+    return reasons
+
+
+def _auto_llm(
+    snap: PlatformSnapshot, req: AttentionRequest, fixed: tuple[tuple[str, BackendSpec], ...] = ()
+) -> tuple[str, str, tuple[Considered, ...]]:
+    """First auto candidate that runs here (and agrees on page size with a phase the user fixed)."""
     considered: list[Considered] = []
     for name, rule in llm_auto_candidates(snap, req.kind):
         spec = find(name, "llm", req.kind)
         if spec is None:
             continue
-        reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, req).reasons]
+        reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, req).reasons,
+                   *_page_conflict(spec, fixed, snap, req)]
         considered.append(Considered(name, not reasons, tuple(reasons)))
         if not reasons:
             return name, rule, tuple(considered)
@@ -199,8 +223,11 @@ def _page_size(specs: list[BackendSpec], snap: PlatformSnapshot, requested: int 
     if allowed is None:
         return 1
     if not allowed:
-        names = " and ".join(s.name for s in specs)
-        raise BackendUnavailableError(f"{names} need page sizes that do not overlap; pick backends that agree.")
+        needs = "; ".join(_page_sizes_text(s, snap) for s in specs)
+        raise BackendUnavailableError(
+            f"prefill and decode share one KV pool, but their page sizes do not overlap ({needs}); "
+            "pick backends that agree on a page size."
+        )
     return max(allowed)
 
 
@@ -229,7 +256,8 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
         "--prefill-attention-backend" in explicit and "--decode-attention-backend" in explicit
     )
     if need_auto:
-        base_name, why, considered = _auto_llm(snap, req)
+        fixed = tuple((flag, spec) for flag, (spec, _) in explicit.items() if flag != "--attention-backend")
+        base_name, why, considered = _auto_llm(snap, req, fixed)
     prefill = explicit.get("--prefill-attention-backend", (None,))[0]
     decode = explicit.get("--decode-attention-backend", (None,))[0]
     prefill = prefill.name if prefill else base_name
@@ -252,10 +280,11 @@ _FORCED: list[str | None] = [None]
 
 def global_force_attn_backend(name: str | None) -> None:
     """Force every diffusion attention layer onto one backend (None clears it); beats the CLI and auto."""
-    if name is not None and find(name, "diffusion", "dit") is None:
+    spec = None if name is None else find(name, "diffusion", "dit")
+    if name is not None and spec is None:
         choices = ", ".join(backend_names("diffusion"))
         raise BackendUnavailableError(f"unknown diffusion attention backend {name!r}. Choose one of: {choices}.")
-    _FORCED[0] = name
+    _FORCED[0] = spec.name if spec is not None else None  # aliases (fa3, fa4) normalize to fa
 
 
 def forced_attn_backend() -> str | None:
