@@ -1,0 +1,174 @@
+"""One generation request as the scheduler tracks it: tokens, KV bookkeeping, stop logic and text.
+
+KV bookkeeping: the request's row of `req_to_token` maps positions to slots; the first `kv_len`
+positions hold computed K/V, of which the first `cache_len` belong to the prefix cache (kept alive by
+locking `last_node`) and the rest to the request itself. Tokens `fill_ids[kv_len:]` still have to be
+run through the model; when none is left after a step, the step's logits give the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from sglx.llm.sampling import SamplingParams
+
+
+class TextDecoder(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass
+class OutputChunk:
+    """What a request reports after a step: new text and tokens since the last chunk, and whether it ended."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
+                 decoder: TextDecoder | None = None, generator: torch.Generator | None = None,
+                 eos_token_ids: Sequence[int] = (), on_output: Callable[[OutputChunk], Any] | None = None,
+                 stream: bool = False) -> None:
+        self.rid = rid
+        self.input_ids = list(input_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.decoder = decoder
+        self.generator = generator
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_output = on_output
+        self.stream = stream
+        # KV bookkeeping
+        self.row = 0
+        self.kv_len = 0
+        self.cache_len = 0
+        self.last_node: Any = None
+        self.extend_len = 0  # tokens scheduled in the current step
+        # results
+        self.text = ""
+        self._sent_text = 0
+        self._sent_ids = 0
+        self._checked_text = 0
+        self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None
+        self.error: str | None = None
+        self.cached_tokens: int | None = None
+        self.num_retractions = 0
+        self.created = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens not yet run through the model."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.matched_stop, self.error = reason, matched, error
+            self.finished_time = time.perf_counter()
+
+    def append_token(self, token: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        p = self.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            self.finish("stop", token)
+        else:
+            if self.decoder is not None:
+                self.text += self.decoder.push(token)
+                self._check_stop_strings()
+            if not self.finished and len(self.output_ids) >= p.max_new_tokens:
+                self.finish("length")
+
+    def _check_stop_strings(self) -> None:
+        stops = self.params.stop
+        if not stops:
+            return
+        start = max(0, self._checked_text - max(map(len, stops)) + 1)
+        best: tuple[int, str] | None = None
+        for s in stops:
+            at = self.text.find(s, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        self._checked_text = len(self.text)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.finish("stop", best[1])
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that may be the start of a stop string (not streamed yet)."""
+        if self.finished or not self.params.stop:
+            return 0
+        longest = 0
+        for s in self.params.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    @property
+    def has_new_output(self) -> bool:
+        return len(self.output_ids) > self._sent_ids
+
+    def take_chunk(self) -> OutputChunk:
+        """New text/tokens since the previous chunk (text that could still become a stop string is held back)."""
+        end = len(self.text) - self._held_back()
+        text = self.text[self._sent_text:end] if end > self._sent_text else ""
+        self._sent_text = max(self._sent_text, end)
+        ids = self.output_ids[self._sent_ids:]
+        self._sent_ids = len(self.output_ids)
+        return OutputChunk(self.rid, text, ids, self.finished, self.finish_reason, self.matched_stop, self.error)
+
+    # ------------------------------------------------------------------ retraction
+
+    def reset_kv(self) -> None:
+        """Forget KV bookkeeping after retraction; the prompt and outputs so far are recomputed later."""
+        self.row, self.kv_len, self.cache_len, self.last_node, self.extend_len = 0, 0, 0, None, 0
+        self.num_retractions += 1
+
+    def result(self) -> dict[str, Any]:
+        """The final output as Engine.generate returns it."""
+        now = self.finished_time or time.perf_counter()
+        return {
+            "rid": self.rid,
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens or 0,
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+            "error": self.error,
+            "num_retractions": self.num_retractions,
+            "e2e_latency": now - self.created,
+            "ttft": (self.first_token_time - self.created) if self.first_token_time else None,
+        }

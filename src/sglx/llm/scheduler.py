@@ -1,0 +1,482 @@
+"""Continuous batching: every step picks EXTEND, DECODE or MIXED work, runs it and advances requests.
+
+The loop follows SGLang's scheduler: waiting requests are admitted (prefix-matched in the cache,
+chunked to `chunked_prefill_size`, limited by `max_running_requests`, `max_prefill_tokens` and free
+KV memory with a reserve for the decodes already running); a prefill step runs when anything was
+admitted, mixed with the running decodes when `enable_mixed_chunk` is on; otherwise all running
+requests decode one token. When a decode step cannot get KV slots even after evicting cached
+prefixes, requests are retracted (their KV handed to the prefix cache or freed, the request requeued
+with its outputs so far) and recomputed later, so memory pressure slows requests but never breaks one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from sglx.llm.allocator import TokenSlotAllocator
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+from sglx.llm.radix_cache import PrefixCache
+from sglx.llm.request import Request
+from sglx.llm.sampling import sample
+
+log = logging.getLogger(__name__)
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's decode reserve, as in SGLang
+
+
+class BatchRunner(Protocol):
+    """Runs one ForwardBatch through the model: float32 logits [batch_size, vocab] (each request's last token)."""
+
+    device: torch.device
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    context_length: int
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 8192  # None or <= 0: no chunking
+    enable_mixed_chunk: bool = False
+    init_new_token_ratio: float = 0.7  # fraction of each running request's remaining tokens kept in reserve
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    chunked_steps: int = 0  # steps that ran a partial prefill chunk
+    retractions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    max_running: int = 0
+    max_batch_tokens: int = 0
+    modes: list[str] = field(default_factory=list)  # per step, only while `record_modes` is set
+
+
+class Scheduler:
+    def __init__(self, runner: BatchRunner, req_to_token_pool: ReqToTokenPool, token_kv_pool: TokenKVPool,
+                 allocator: TokenSlotAllocator, cache: PrefixCache, config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.req_to_token_pool = req_to_token_pool
+        self.token_kv_pool = token_kv_pool
+        self.allocator = allocator
+        self.cache = cache
+        self.config = config
+        self.page_size = allocator.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked_req: Request | None = None
+        self.new_token_ratio = config.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self.record_modes = False
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ thread-safe entry points
+
+    def submit(self, req: Request) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread (the engine's); requests arrive through submit()."""
+        self._thread = threading.Thread(target=self.run_forever, name="sglx-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            busy = self.has_work()
+            self._drain_inbox(block=not busy)
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as exc:  # one broken step must not kill the engine: fail its requests instead
+                log.exception("scheduler step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        self._fail_all("the engine was shut down")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Synchronous driving (tests, offline use): step until every submitted request has finished."""
+        for _ in range(max_steps):
+            self._drain_inbox(block=False)
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError("scheduler did not become idle")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self._add(payload)  # type: ignore[arg-type]
+            elif kind == "abort":
+                self._abort(payload)  # type: ignore[arg-type]
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    # ------------------------------------------------------------------ request lifecycle
+
+    def capacity(self) -> int:
+        """Tokens one request may occupy at most (the whole pool, within the context length)."""
+        return min(self.allocator.num_slots, self.config.context_length)
+
+    def _add(self, req: Request) -> None:
+        problem = None
+        if not req.input_ids:
+            problem = "the prompt is empty"
+        elif len(req.input_ids) >= self.capacity():
+            problem = (f"the prompt has {len(req.input_ids)} tokens; this engine holds at most "
+                       f"{self.capacity() - 1} prompt tokens (context length {self.config.context_length}, "
+                       f"KV pool {self.allocator.num_slots} tokens)")
+        if problem is not None:
+            req.finish("abort", error=problem)
+            self._emit(req)
+            return
+        if req.params.max_new_tokens == 0:
+            req.finish("length")
+            self._emit(req)
+            return
+        self.stats.prompt_tokens += len(req.input_ids)
+        self.waiting.append(req)
+
+    def _abort(self, rid: str) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish("abort", error="aborted")
+                self._emit(req)
+        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
+            if req.rid == rid:
+                req.finish("abort", error="aborted")  # released at the end of the next step
+
+    def _release(self, req: Request) -> None:
+        """Give the request's KV to the prefix cache (or free it) and its req_to_token row back."""
+        if req.row:
+            self.cache.cache_finished_req(req)
+            self.req_to_token_pool.free(req.row)
+        req.row = 0
+
+    def _emit(self, req: Request) -> None:
+        if req.on_output is None:
+            return
+        if req.finished or (req.stream and req.has_new_output):
+            req.on_output(req.take_chunk())
+
+    def _fail_all(self, message: str) -> None:
+        reqs = [*self.waiting, *self.running, *([self.chunked_req] if self.chunked_req else [])]
+        self.waiting.clear()
+        self.running = []
+        self.chunked_req = None
+        for req in reqs:
+            try:
+                if req.row:  # KV of a failed step may be garbage: free it, never cache it
+                    self.cache.drop_req(req, req.kv_len + req.extend_len)
+                    self.req_to_token_pool.free(req.row)
+                    req.row = 0
+            except Exception:  # bookkeeping may be inconsistent after a failed step; report, don't raise
+                log.exception("releasing request %s failed", req.rid)
+            req.finish("abort", error=message)
+            self._emit(req)
+
+    # ------------------------------------------------------------------ memory
+
+    def _ensure_pages(self, pages: int) -> bool:
+        short = pages - self.allocator.free_pages
+        if short > 0:
+            self.cache.evict(short * self.page_size)
+        return self.allocator.free_pages >= pages
+
+    def _last_loc(self, req: Request) -> int:
+        if req.kv_len == 0:
+            return 0
+        return int(self.req_to_token_pool.req_to_token[req.row, req.kv_len - 1])
+
+    def _alloc(self, reqs: list[Request]) -> torch.Tensor | None:
+        """Slots for every request's scheduled extend_len tokens, written into req_to_token; None if short."""
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + r.extend_len for r in reqs]
+        if not self._ensure_pages(self.allocator.pages_needed(prefix, seq)):
+            return None
+        locs = self.allocator.alloc_extend(prefix, seq, [self._last_loc(r) for r in reqs])
+        if locs is None:
+            return None
+        table = self.req_to_token_pool.req_to_token
+        offset = 0
+        for r in reqs:
+            table[r.row, r.kv_len:r.kv_len + r.extend_len] = locs[offset:offset + r.extend_len].to(
+                table.device, table.dtype)
+            offset += r.extend_len
+        return locs
+
+    def _reserve(self, req: Request) -> int:
+        left = max(0, req.params.max_new_tokens - len(req.output_ids))
+        return int(min(left, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule_prefill(self) -> list[Request]:
+        """Admit (and allocate) the extend part of the next step: the chunked request first, then waiting ones."""
+        cfg = self.config
+        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size and cfg.chunked_prefill_size > 0 else None
+        token_budget = cfg.max_prefill_tokens
+        if chunk is not None:
+            token_budget = min(token_budget, chunk)
+        batch: list[Request] = []
+
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = self._chunk_len(req.remaining, token_budget, chunk)
+            req.extend_len = n
+            if self._alloc([req]) is None:
+                self._retract_extending(req)
+                return []
+            batch.append(req)
+            token_budget -= n
+            if n < req.remaining:
+                self.chunked_req = req
+                return batch
+
+        headroom = self.allocator.available_size() + self.cache.evictable_size()
+        headroom -= sum(self._reserve(r) for r in self.running)
+        while self.waiting and token_budget > 0:
+            if len(self.running) + len(batch) >= cfg.max_running_requests or not self.req_to_token_pool.available:
+                break
+            req = self.waiting[0]
+            nothing_else = not self.running and not batch
+            slots, node = self.cache.match_prefix(req.fill_ids[:-1])
+            m = len(slots)
+            remaining = req.seq_len - m
+            n = self._chunk_len(remaining, token_budget, chunk)
+            if n < remaining and chunk is None and nothing_else:
+                n = remaining  # no chunking: the first request runs whole even beyond max_prefill_tokens
+            elif n < remaining and chunk is None:
+                break
+            need = n + (self._reserve(req) if n == remaining else 0)
+            if need > headroom and not nothing_else:
+                break
+            evictable = self.cache.evictable_size()
+            self.cache.lock(node)
+            req.row = self.req_to_token_pool.alloc() or 0
+            if m:
+                table = self.req_to_token_pool.req_to_token
+                table[req.row, :m] = slots.to(table.device, table.dtype)
+            req.kv_len = req.cache_len = m
+            req.last_node, req.extend_len = node, n
+            if self._alloc([req]) is None:
+                self.cache.unlock(node)
+                self.req_to_token_pool.free(req.row)
+                req.row, req.kv_len, req.cache_len, req.last_node, req.extend_len = 0, 0, 0, None, 0
+                if nothing_else and self.chunked_req is None:  # alone and still too big: it can never run
+                    self.waiting.popleft()
+                    req.finish("length" if req.output_ids else "abort",
+                               error=f"the KV pool ({self.allocator.num_slots} tokens) cannot hold this request")
+                    self._emit(req)
+                    continue
+                break
+            headroom -= evictable - self.cache.evictable_size()
+            self.waiting.popleft()
+            if req.cached_tokens is None:
+                req.cached_tokens = m
+                self.stats.cached_tokens += m
+            batch.append(req)
+            headroom -= need
+            token_budget -= n
+            if n < remaining:
+                self.chunked_req = req
+                break
+        return batch
+
+    def _chunk_len(self, remaining: int, budget: int, chunk: int | None) -> int:
+        if remaining <= budget:
+            return remaining
+        ps = self.page_size
+        n = budget - budget % ps if budget >= ps else budget
+        return max(1, n)
+
+    def _retract_extending(self, req: Request) -> None:
+        """A chunked prefill that cannot continue: requeue it first unless it is alone (then it cannot fit)."""
+        if self.running or self.cache.evictable_size():
+            self._retract(req)
+            return
+        self._release(req)
+        req.finish("abort", error=f"the KV pool ({self.allocator.num_slots} tokens) cannot hold this request")
+        self._emit(req)
+
+    def _retract(self, req: Request) -> None:
+        self._release(req)
+        req.reset_kv()
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.new_token_ratio = 1.0
+
+    def _prepare_decode(self) -> list[Request]:
+        """Allocate one slot per running request, retracting requests while KV memory is short."""
+        for req in self.running:
+            req.extend_len = 1
+        while self.running:
+            need = self.allocator.pages_needed([r.kv_len for r in self.running],
+                                               [r.kv_len + 1 for r in self.running])
+            if self._ensure_pages(need):
+                break
+            if len(self.running) == 1:
+                req = self.running.pop()
+                self._release(req)
+                req.finish("length", error=f"the KV pool ({self.allocator.num_slots} tokens) is full")
+                self._emit(req)
+                return []
+            # SGLang's order: retract the request with the fewest outputs, longest prompt first.
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            self.running.remove(victim)
+            self._retract(victim)
+        if not self.running:
+            return []
+        if self._alloc(self.running) is None:
+            raise RuntimeError("KV allocator refused pages it reported free")
+        return list(self.running)
+
+    def step(self) -> None:
+        """One scheduling step: admit, run the model once, sample and advance every request in the batch."""
+        self._drop_finished_running()
+        extend = self._schedule_prefill()
+        if extend:
+            decode = self._prepare_decode() if self.config.enable_mixed_chunk and self.running else []
+            mode = ForwardMode.MIXED if decode else ForwardMode.EXTEND
+        else:
+            decode = self._prepare_decode()
+            mode = ForwardMode.DECODE
+        reqs = extend + decode
+        if not reqs:
+            return
+        if not extend:
+            self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                       self.new_token_ratio - self.config.new_token_ratio_decay)
+        batch = self._build_batch(reqs, mode)
+        logits = self.runner.forward(batch)
+        self._record(mode, reqs, batch)
+        self._process(reqs, decode, logits)
+
+    def _drop_finished_running(self) -> None:
+        """Requests aborted between steps leave the running set before the next step is formed."""
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self._release(req)
+            self._emit(req)
+
+    def _build_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
+        device = self.runner.device
+        table = self.req_to_token_pool.req_to_token
+        ids: list[int] = []
+        positions: list[int] = []
+        locs = []
+        for r in reqs:
+            ids.extend(r.fill_ids[r.kv_len:r.kv_len + r.extend_len])
+            positions.extend(range(r.kv_len, r.kv_len + r.extend_len))
+            locs.append(table[r.row, r.kv_len:r.kv_len + r.extend_len])
+        seq_lens = [r.kv_len + r.extend_len for r in reqs]
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            out_cache_loc=torch.cat(locs).to(device=device, dtype=torch.long),
+            req_to_token_pool=self.req_to_token_pool,
+            token_kv_pool=self.token_kv_pool,
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=[r.extend_len for r in reqs] if mode.is_extend else [],
+            extend_prefix_lens_cpu=[r.kv_len for r in reqs] if mode.is_extend else [],
+        )
+
+    def _record(self, mode: ForwardMode, reqs: list[Request], batch: ForwardBatch) -> None:
+        s = self.stats
+        s.steps += 1
+        if mode is ForwardMode.EXTEND:
+            s.extend_steps += 1
+        elif mode is ForwardMode.DECODE:
+            s.decode_steps += 1
+        else:
+            s.mixed_steps += 1
+        if self.chunked_req is not None:
+            s.chunked_steps += 1
+        s.max_batch_tokens = max(s.max_batch_tokens, batch.num_tokens)
+        if self.record_modes:
+            s.modes.append(mode.value)
+
+    def _process(self, reqs: list[Request], decode: list[Request], logits: torch.Tensor) -> None:
+        to_sample: list[int] = []
+        for i, req in enumerate(reqs):
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+            if req.remaining == 0:
+                to_sample.append(i)
+        if to_sample:
+            picked = [reqs[i] for i in to_sample]
+            rows = logits[to_sample] if len(to_sample) < len(reqs) else logits
+            tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
+                            [r.input_ids for r in picked], [r.output_ids for r in picked])
+            for req, token in zip(picked, tokens):
+                if not req.finished:  # an abort that arrived while the step ran wins
+                    req.append_token(token)
+                self.stats.generated_tokens += 1
+        decoding = set(map(id, decode))
+        for req in reqs:
+            if req.finished:
+                if id(req) in decoding:
+                    self.running.remove(req)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self._release(req)
+            elif req is not self.chunked_req:
+                if id(req) not in decoding:
+                    self.cache.cache_unfinished_req(req)
+                    self.running.append(req)
+            else:
+                self.cache.cache_unfinished_req(req)
+            self._emit(req)
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+
+
+def build_scheduler(runner: BatchRunner, req_to_token_pool: ReqToTokenPool, token_kv_pool: TokenKVPool,
+                    allocator: TokenSlotAllocator, config: SchedulerConfig, disable_radix_cache: bool = False,
+                    cache_factory: Callable[..., PrefixCache] | None = None) -> Scheduler:
+    """A scheduler with the radix cache (or none with disable_radix_cache)."""
+    from sglx.llm.radix_cache import NoPrefixCache, RadixCache
+
+    factory = cache_factory or (NoPrefixCache if disable_radix_cache else RadixCache)
+    cache = factory(allocator, req_to_token_pool)
+    return Scheduler(runner, req_to_token_pool, token_kv_pool, allocator, cache, config)
