@@ -1,0 +1,189 @@
+"""One Llama-family decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+
+The variants differ only in switches read from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), sliding window (Mistral), RoPE scaling (Llama 3.1) and tied embeddings. q/k/v and gate/up
+projections are fused into single matmuls (one launch each per layer); `load_weights` maps Hugging
+Face's separate tensors into the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglx.attention.llm.base import LayerSpec
+from sglx.errors import SglxError
+from sglx.llm.forward_batch import ForwardBatch
+from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from sglx.llm.model_config import ModelConfig
+
+# checkpoint projection name -> (fused parameter name, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# tensors some checkpoints carry that are recomputed, never loaded
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.q_size = config.num_heads * d
+        self.kv_size = config.num_kv_heads * d
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = Attention(LayerSpec(
+            layer_id=layer_id,
+            num_q_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=d,
+            scaling=d**-0.5,
+            sliding_window=config.sliding_window_for_layer(layer_id),
+        ))
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        assert fused == "qkv_proj"
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        spec = self.attn.spec
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, spec.num_q_heads, spec.head_dim)
+        k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaSelfAttention(config, layer_id)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`logits = model(batch)`: float32 [bs, vocab] for each request's last token (or every token)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_layers
+        self.model = LlamaModel(config)
+        # tied models read the embedding matrix directly, so no second parameter can drift from it
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if not batch.return_all_logits:
+            hidden = hidden[batch.last_token_indices()]
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---------------------------------------------------------------- weights
+
+    def checkpoint_names(self) -> set[str]:
+        """The tensor names a Hugging Face checkpoint of this model must contain."""
+        names = set()
+        for name, _ in self.named_parameters():
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in _FUSED:
+                names.update(f"{parent}.{part}.{leaf}" for part in _FUSED[proj])
+            else:
+                names.add(name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
+        """Copy checkpoint tensors into the (fused) parameters; returns (loaded names, unexpected names)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.lm_head is None and name == "lm_head.weight":
+                continue  # tied: some checkpoints still store a copy of the embedding
+            target, rows = self._target(name, params)
+            if target is None:
+                unexpected.append(name)
+                continue
+            dest = params[target]
+            if rows is not None:
+                dest = dest.narrow(0, rows[0], rows[1])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise SglxError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, but this "
+                                f"{self.config.architecture} config expects {tuple(dest.shape)}; "
+                                "does config.json belong to these weights?")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add(name)
+        return loaded, unexpected
+
+    def _target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, tuple[int, int] | None]:
+        """(parameter name, (row offset, rows) inside a fused parameter or None) for a checkpoint tensor."""
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj not in _STACKED:
+            return (name if name in params else None), None
+        fused, shard = _STACKED[proj]
+        target = f"{parent}.{fused}.{leaf}"
+        if target not in params:
+            return None, None
+        if fused == "qkv_proj":
+            sizes = self.get_submodule(parent).shard_sizes(fused)
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return target, (sum(sizes[:shard]), sizes[shard])
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding attention window on every layer (from config.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with biases on q/k/v."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head RMSNorm on q and k before RoPE."""
