@@ -6,6 +6,7 @@ import typer
 
 from sglx import __version__
 from sglx.cli.doctor import doctor
+from sglx.cli.generate import generate
 
 app = typer.Typer(
     name="sglx",
@@ -31,6 +32,7 @@ def _root(
 
 
 app.command(name="doctor")(doctor)
+app.command(name="generate")(generate)
 
 
 def main() -> None:

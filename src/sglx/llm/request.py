@@ -33,22 +33,26 @@ class OutputChunk:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    result: dict[str, Any] | None = None  # the full final output, on the finishing chunk only
 
 
 class Request:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
                  decoder: TextDecoder | None = None, generator: torch.Generator | None = None,
                  eos_token_ids: Sequence[int] = (), on_output: Callable[[OutputChunk], Any] | None = None,
-                 stream: bool = False) -> None:
+                 stream: bool = False, return_logprob: bool = False) -> None:
         self.rid = rid
         self.input_ids = list(input_ids)
         self.params = params
         self.output_ids: list[int] = []
+        self.max_new_tokens = params.max_new_tokens  # the scheduler clips it to the context length
         self.decoder = decoder
         self.generator = generator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_output = on_output
         self.stream = stream
+        self.return_logprob = return_logprob  # log-softmax of the raw logits at each chosen token
+        self.output_logprobs: list[float] = []
         # KV bookkeeping
         self.row = 0
         self.kv_len = 0
@@ -105,8 +109,17 @@ class Request:
             if self.decoder is not None:
                 self.text += self.decoder.push(token)
                 self._check_stop_strings()
-            if not self.finished and len(self.output_ids) >= p.max_new_tokens:
+            if not self.finished and len(self.output_ids) >= self.max_new_tokens:
                 self.finish("length")
+        if self.finished and not isinstance(self.matched_stop, str):
+            self._flush_text()
+
+    def _flush_text(self) -> None:
+        """Text the decoder held back (an incomplete character) once no more tokens will come."""
+        flush = getattr(self.decoder, "flush", None)
+        if flush is not None:
+            self.text += flush()
+            self._check_stop_strings()  # trims a stop string completed by the flushed text
 
     def _check_stop_strings(self) -> None:
         stops = self.params.stop
@@ -146,7 +159,8 @@ class Request:
         self._sent_text = max(self._sent_text, end)
         ids = self.output_ids[self._sent_ids:]
         self._sent_ids = len(self.output_ids)
-        return OutputChunk(self.rid, text, ids, self.finished, self.finish_reason, self.matched_stop, self.error)
+        return OutputChunk(self.rid, text, ids, self.finished, self.finish_reason, self.matched_stop, self.error,
+                           self.result() if self.finished else None)
 
     # ------------------------------------------------------------------ retraction
 
@@ -171,4 +185,5 @@ class Request:
             "num_retractions": self.num_retractions,
             "e2e_latency": now - self.created,
             "ttft": (self.first_token_time - self.created) if self.first_token_time else None,
+            **({"output_logprobs": list(self.output_logprobs)} if self.return_logprob else {}),
         }

@@ -97,6 +97,19 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    def call(self, fn: Callable[[], object], timeout: float | None = 60.0) -> object:
+        """Run fn inside the scheduler loop (between steps) and return its result: safe access to pools."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn()
+        box: list[object] = []
+        done = threading.Event()
+        self._inbox.put(("call", (fn, box, done)))
+        if not done.wait(timeout):
+            raise TimeoutError("the scheduler did not answer")
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
     def start(self) -> None:
         """Run the loop in a daemon thread (the engine's); requests arrive through submit()."""
         self._thread = threading.Thread(target=self.run_forever, name="sglx-scheduler", daemon=True)
@@ -121,6 +134,10 @@ class Scheduler:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
         self._fail_all("the engine was shut down")
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
@@ -144,6 +161,13 @@ class Scheduler:
                 self._add(payload)  # type: ignore[arg-type]
             elif kind == "abort":
                 self._abort(payload)  # type: ignore[arg-type]
+            elif kind == "call":
+                fn, box, done = payload  # type: ignore[misc]
+                try:
+                    box.append(fn())
+                except Exception as exc:  # handed back to the caller's thread
+                    box.append(exc)
+                done.set()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -167,6 +191,7 @@ class Scheduler:
             req.finish("abort", error=problem)
             self._emit(req)
             return
+        req.max_new_tokens = min(req.max_new_tokens, self.config.context_length - len(req.input_ids))
         if req.params.max_new_tokens == 0:
             req.finish("length")
             self._emit(req)
@@ -244,7 +269,7 @@ class Scheduler:
         return locs
 
     def _reserve(self, req: Request) -> int:
-        left = max(0, req.params.max_new_tokens - len(req.output_ids))
+        left = max(0, req.max_new_tokens - len(req.output_ids))
         return int(min(left, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     # ------------------------------------------------------------------ scheduling
@@ -344,15 +369,18 @@ class Scheduler:
         self.stats.retractions += 1
         self.new_token_ratio = 1.0
 
-    def _prepare_decode(self) -> list[Request]:
-        """Allocate one slot per running request, retracting requests while KV memory is short."""
-        for req in self.running:
-            req.extend_len = 1
+    def _prepare_decode(self, may_retract: bool = True) -> list[Request]:
+        """Allocate one slot per running request, retracting requests while KV memory is short.
+
+        In a MIXED step (may_retract False) short memory just leaves the decodes for a later step.
+        """
         while self.running:
             need = self.allocator.pages_needed([r.kv_len for r in self.running],
                                                [r.kv_len + 1 for r in self.running])
             if self._ensure_pages(need):
                 break
+            if not may_retract:
+                return []
             if len(self.running) == 1:
                 req = self.running.pop()
                 self._release(req)
@@ -365,6 +393,8 @@ class Scheduler:
             self._retract(victim)
         if not self.running:
             return []
+        for req in self.running:
+            req.extend_len = 1
         if self._alloc(self.running) is None:
             raise RuntimeError("KV allocator refused pages it reported free")
         return list(self.running)
@@ -374,7 +404,7 @@ class Scheduler:
         self._drop_finished_running()
         extend = self._schedule_prefill()
         if extend:
-            decode = self._prepare_decode() if self.config.enable_mixed_chunk and self.running else []
+            decode = self._prepare_decode(may_retract=False) if self.config.enable_mixed_chunk and self.running else []
             mode = ForwardMode.MIXED if decode else ForwardMode.EXTEND
         else:
             decode = self._prepare_decode()
@@ -449,8 +479,14 @@ class Scheduler:
             rows = logits[to_sample] if len(to_sample) < len(reqs) else logits
             tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
                             [r.input_ids for r in picked], [r.output_ids for r in picked])
-            for req, token in zip(picked, tokens):
+            logprobs = None
+            if any(r.return_logprob for r in picked):
+                chosen = torch.tensor(tokens, device=rows.device)[:, None]
+                logprobs = torch.log_softmax(rows.float(), dim=-1).gather(1, chosen)[:, 0].tolist()
+            for j, (req, token) in enumerate(zip(picked, tokens)):
                 if not req.finished:  # an abort that arrived while the step ran wins
+                    if logprobs is not None and req.return_logprob:
+                        req.output_logprobs.append(logprobs[j])
                     req.append_token(token)
                 self.stats.generated_tokens += 1
         decoding = set(map(id, decode))

@@ -1,0 +1,57 @@
+"""Hybrid backend: prefill (EXTEND and MIXED steps) on one backend, DECODE steps on another.
+
+Both backends are built on the same pools, so K/V written by one is read by the other; each step's
+metadata is built only by the backend that runs it. This is what `--prefill-attention-backend X
+--decode-attention-backend Y` turns into when X and Y differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.llm.forward_batch import ForwardBatch
+
+
+class HybridAttentionBackend(AttentionBackend):
+    name = "hybrid"
+    supports_cuda_graph = False
+
+    def __init__(self, ctx: BackendContext, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        super().__init__(ctx)
+        self.prefill = prefill
+        self.decode = decode
+        # CUDA graphs capture decode only, so the decode backend decides.
+        self.supports_cuda_graph = decode.supports_cuda_graph  # type: ignore[misc]
+
+    def _for(self, batch: ForwardBatch) -> AttentionBackend:
+        return self.decode if batch.mode.is_decode else self.prefill
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._for(batch).init_forward_metadata(batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        return self._for(batch).forward(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        return self.prefill.forward_extend(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        return self.decode.forward_decode(q, k, v, layer, batch, save_kv_cache)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self.decode.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        self.decode.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.decode.get_cuda_graph_seq_len_fill_value()

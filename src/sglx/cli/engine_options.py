@@ -1,0 +1,152 @@
+"""The engine flags, defined once for every command that runs an LLM engine (`generate`, `serve`, ...).
+
+`@with_engine_options` appends all of them to a typer command's signature; the command receives one
+validated `engine_config: EngineConfig` instead of twenty arguments. Backend choices come from the
+registry, so a new backend appears in `--help`, validation and completions without touching this file.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import typer
+
+from sglx.errors import SglxError
+from sglx.llm.engine_config import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
+    EngineConfig,
+)
+
+PANEL = "Engine options"
+PREFIX = "engine__"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def llm_backend_names() -> tuple[str, ...]:
+    from sglx.attention.registry import backend_names
+
+    return backend_names("llm")
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine flag: the EngineConfig field it sets, its CLI spelling, type, default and help."""
+
+    field: str
+    flag: str
+    annotation: Any
+    default: Any
+    help: str
+    choices: Callable[[], Sequence[str]] | Sequence[str] | None = None
+
+    def choice_enum(self) -> type[enum.Enum] | None:
+        """A str Enum of the allowed values: typer turns it into a validated choice list in --help."""
+        if self.choices is None:
+            return None
+        names = self.choices() if callable(self.choices) else self.choices
+        return enum.Enum(self.field, {n: n for n in names}, type=str)  # type: ignore[return-value]
+
+    def annotation_for_typer(self) -> Any:
+        choices = self.choice_enum()
+        if choices is None:
+            return self.annotation
+        return choices | None if self.default is None else choices
+
+    def option(self) -> Any:
+        kwargs: dict[str, Any] = {"help": self.help, "rich_help_panel": PANEL,
+                                  "show_default": self.default not in (None, False)}
+        if self.choices is not None:
+            kwargs["case_sensitive"] = False
+        return typer.Option(self.default, self.flag, **kwargs)
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("model_path", "--model-path", str | None, None,
+               "Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config "
+               "name with --load-format dummy. Default: the tiny model embedded in sglx."),
+    EngineFlag("tokenizer_path", "--tokenizer-path", str | None, None, "Tokenizer directory (default: the model's)."),
+    EngineFlag("load_format", "--load-format", str, "auto",
+               "Weights: safetensors from the model directory, or dummy random weights (benchmarks).",
+               LOAD_FORMAT_CHOICES),
+    EngineFlag("dtype", "--dtype", str, "auto", "Compute dtype; auto = the checkpoint's.", DTYPE_CHOICES),
+    EngineFlag("device", "--device", str, "auto", "Device; auto = cuda when available, else cpu.", DEVICE_CHOICES),
+    EngineFlag("attention_backend", "--attention-backend", str | None, None,
+               "Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).",
+               llm_backend_names),
+    EngineFlag("prefill_attention_backend", "--prefill-attention-backend", str | None, None,
+               "Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.", llm_backend_names),
+    EngineFlag("decode_attention_backend", "--decode-attention-backend", str | None, None,
+               "Backend for DECODE steps only; the prefill phase keeps the other choice.", llm_backend_names),
+    EngineFlag("attention_backend_config", "--attention-backend-config", str | None, None,
+               "Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs."),
+    EngineFlag("page_size", "--page-size", int | None, None,
+               "Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse)."),
+    EngineFlag("kv_cache_dtype", "--kv-cache-dtype", str, "auto",
+               "KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.", KV_CACHE_DTYPE_CHOICES),
+    EngineFlag("mem_fraction_static", "--mem-fraction-static", float | None, None,
+               "GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM "
+               "for the KV cache (default 0.25)."),
+    EngineFlag("max_total_tokens", "--max-total-tokens", int | None, None,
+               "KV-cache size in tokens (overrides --mem-fraction-static)."),
+    EngineFlag("max_running_requests", "--max-running-requests", int | None, None,
+               "Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size)."),
+    EngineFlag("chunked_prefill_size", "--chunked-prefill-size", int | None, None,
+               f"Split prompts into prefill chunks of this many tokens (default {DEFAULT_CHUNKED_PREFILL_SIZE}; "
+               "-1 disables)."),
+    EngineFlag("max_prefill_tokens", "--max-prefill-tokens", int, DEFAULT_MAX_PREFILL_TOKENS,
+               "Token budget of one prefill batch."),
+    EngineFlag("enable_mixed_chunk", "--enable-mixed-chunk", bool, False,
+               "Run running decodes in the same step as a prefill chunk (MIXED steps)."),
+    EngineFlag("disable_radix_cache", "--disable-radix-cache", bool, False, "Turn off prefix caching."),
+    EngineFlag("context_length", "--context-length", int | None, None,
+               "Longest sequence (prompt + output); default: the model's max_position_embeddings."),
+    EngineFlag("seed", "--random-seed", int, 0,
+               "Seed for dummy weights and for sampling of requests that give no seed of their own."),
+)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def with_engine_options(fn: F) -> F:
+    """Add every engine flag to a typer command; it is called with `engine_config=EngineConfig(...)`.
+
+    An invalid combination (EngineConfig's validation) is a usage error: message, exit code 2, no traceback.
+    """
+    sig = inspect.signature(fn)
+    if "engine_config" not in sig.parameters:
+        raise TypeError(f"{fn.__name__} must take an `engine_config` parameter")
+    params = [p for p in sig.parameters.values() if p.name != "engine_config"]
+    annotations = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != "engine_config"}
+    for f in ENGINE_FLAGS:
+        name = PREFIX + f.field
+        annotation = f.annotation_for_typer()
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.option(),
+                                        annotation=annotation))
+        annotations[name] = annotation
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = {k[len(PREFIX):]: _plain(kwargs.pop(k)) for k in list(kwargs) if k.startswith(PREFIX)}
+        try:
+            config = EngineConfig.from_kwargs(**flags)
+        except SglxError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        return fn(*args, engine_config=config, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = annotations
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,110 @@
+"""Every engine flag in one frozen object, validated once with messages a user can act on.
+
+`sglx generate`, `sglx serve` and `sglx.Engine(...)` all build this object; names and defaults follow
+SGLang's server arguments so the flags users know mean the same thing here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from sglx.errors import SglxError
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "fp8_e5m2")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+DEFAULT_MAX_PREFILL_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine flags as given; None means "let the engine decide" (documented per field)."""
+
+    model_path: str | None = None  # None: the embedded tiny model shipped with sglx
+    tokenizer_path: str | None = None  # None: the model directory
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights, for benchmarks)
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    device: str = "auto"  # auto = cuda when available, else cpu
+    attention_backend: str | None = None  # None: auto selection
+    prefill_attention_backend: str | None = None  # overrides the prefill phase only
+    decode_attention_backend: str | None = None  # overrides the decode phase only
+    attention_backend_config: str | None = None  # file, JSON or k=v pairs (sglx.attention.config)
+    page_size: int | None = None  # None: what the chosen backends accept (1 for torch_native)
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float | None = None  # GPU: share of device memory for weights + KV (default 0.85)
+    max_total_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction_static
+    max_running_requests: int | None = None  # None: derived from the pool size
+    chunked_prefill_size: int | None = None  # None: 8192; -1 disables chunked prefill
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # token budget of one prefill batch
+    enable_mixed_chunk: bool = False  # run decodes in the same step as a prefill chunk
+    disable_radix_cache: bool = False
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0  # seeds dummy weights and the sampling of requests without their own seed
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+
+        def choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+            if value not in choices:
+                problems.append(f"{flag} {value}: choose one of {', '.join(choices)}")
+
+        choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
+        choice("--dtype", self.dtype, DTYPE_CHOICES)
+        choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
+            problems.append(f"--device {self.device}: choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
+        for flag, value, low in (("--page-size", self.page_size, 1),
+                                 ("--max-total-tokens", self.max_total_tokens, 1),
+                                 ("--max-running-requests", self.max_running_requests, 1),
+                                 ("--max-prefill-tokens", self.max_prefill_tokens, 1),
+                                 ("--context-length", self.context_length, 2)):
+            if value is not None and value < low:
+                problems.append(f"{flag} {value}: must be an integer >= {low}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0 or (
+                self.chunked_prefill_size is not None and self.chunked_prefill_size < -1):
+            problems.append(f"--chunked-prefill-size {self.chunked_prefill_size}: give a positive size, "
+                            "or -1 to disable chunked prefill")
+        if (self.page_size and self.chunked_prefill_size and self.chunked_prefill_size > 0
+                and self.chunked_prefill_size < self.page_size):
+            problems.append(f"--chunked-prefill-size {self.chunked_prefill_size} is smaller than "
+                            f"--page-size {self.page_size}; a chunk must hold at least one page")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            problems.append(f"--mem-fraction-static {self.mem_fraction_static}: must be between 0 and 1 "
+                            "(e.g. 0.85)")
+        if self.model_path is not None and not str(self.model_path).strip():
+            problems.append("--model-path is empty")
+        if problems:
+            raise SglxError("invalid engine options:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword flags (Engine(**flags)); unknown names are an error, not silently ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise SglxError(f"unknown engine option(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}")
+        if kwargs.get("model_path") is not None:
+            kwargs["model_path"] = str(kwargs["model_path"])
+        return cls(**kwargs)
+
+    def resolved_model_path(self) -> str:
+        if self.model_path is not None:
+            return str(Path(self.model_path).expanduser()) if Path(self.model_path).expanduser().exists() \
+                else self.model_path
+        from sglx.llm.embedded import default_model_path
+
+        return str(default_model_path())
+
+    @property
+    def chunked_prefill(self) -> int | None:
+        """The chunk size in tokens, or None when chunked prefill is disabled."""
+        if self.chunked_prefill_size is None:
+            return DEFAULT_CHUNKED_PREFILL_SIZE
+        return None if self.chunked_prefill_size < 0 else self.chunked_prefill_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

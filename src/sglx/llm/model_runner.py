@@ -1,0 +1,212 @@
+"""The model side of the engine: device, dtype, backend selection, weights, KV pools, one forward per step.
+
+Selection happens before weights load, so an impossible `--attention-backend` fails in a second, not
+after minutes of loading. The KV pool is sized from `--max-total-tokens`, else on a GPU from
+`--mem-fraction-static` of device memory (what is left after the weights), else on the CPU from a
+share of free RAM capped at a few context lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from sglx.attention.llm.base import AttentionBackend, BackendContext
+from sglx.attention.registry import find
+from sglx.attention.selection import LLMBackendArgs, LLMSelection, select_llm
+from sglx.errors import SglxError
+from sglx.llm.engine_config import EngineConfig
+from sglx.llm.forward_batch import ForwardBatch
+from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+from sglx.llm.model_config import ModelConfig, load_model_config
+from sglx.platform import PlatformSnapshot
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GPU_MEM_FRACTION = 0.85
+DEFAULT_CPU_RAM_FRACTION = 0.25
+CPU_MAX_CONTEXTS = 4  # a CPU pool holds at most this many full contexts (and at least 32k tokens)
+CPU_MIN_TOKENS = 32768
+DEFAULT_CPU_MAX_RUNNING = 256
+DEFAULT_GPU_MAX_RUNNING = 2048
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the KV memory was sized, for logs, --json output and errors."""
+
+    num_slots: int
+    bytes_per_token: int
+    max_running_requests: int
+    context_length: int
+    source: str  # "max_total_tokens" | "mem_fraction_static" | "cpu_ram"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SglxError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}); "
+                        "use --device cpu.")
+    return torch.device(name)
+
+
+def snapshot_for(device: torch.device) -> PlatformSnapshot:
+    """The platform snapshot selection sees: the real one, but CPU-only when the user chose --device cpu."""
+    from sglx import platform
+
+    snap = platform.current()
+    if device.type == "cpu" and snap.device_kind != "cpu":
+        snap = replace(snap, device_kind="cpu", gpus=())
+    return snap
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+
+
+def _free_cpu_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class ModelRunner:
+    """Owns the model, the KV pools and the attention backend(s); `forward(batch)` runs one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = config.resolved_model_path()
+        self.device = resolve_device(config.device)
+        self.model_config: ModelConfig = load_model_config(self.model_path)
+        from sglx.llm.models import load_model, resolve_dtype
+
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.selection: LLMSelection = select_llm(
+            snapshot_for(self.device),
+            self.model_config.attention_traits(_dtype_name(self.dtype)),
+            LLMBackendArgs(attention_backend=config.attention_backend,
+                           prefill_attention_backend=config.prefill_attention_backend,
+                           decode_attention_backend=config.decode_attention_backend,
+                           page_size=config.page_size, kv_cache_dtype=config.kv_cache_dtype),
+        )
+        self.page_size = self.selection.page_size
+        self.backend_configs = self._backend_configs()
+        self.model, self.model_config = load_model(self.model_path, self.dtype, self.device,
+                                                   load_format=config.load_format, seed=config.seed)
+        self.memory = self._plan_memory()
+        mc = self.model_config
+        self.req_to_token_pool = ReqToTokenPool(self.memory.max_running_requests, self.memory.context_length + 1,
+                                                device=self.device)
+        self.token_kv_pool = TokenKVPool(self.memory.num_slots, self.page_size, mc.num_layers, mc.num_kv_heads,
+                                         mc.head_dim, self.dtype, config.kv_cache_dtype, self.device)
+        self.backend = self._build_backend()
+
+    # ------------------------------------------------------------------ setup
+
+    def _backend_configs(self) -> dict[str, dict]:
+        """--attention-backend-config validated against each chosen backend's declared parameters."""
+        text = self.config.attention_backend_config
+        names = dict.fromkeys((self.selection.prefill, self.selection.decode))
+        if not text:
+            return {n: {} for n in names}
+        from sglx.attention.config import load_backend_config
+        from sglx.errors import ConfigError
+
+        out: dict[str, dict] = {}
+        errors: list[str] = []
+        for name in names:
+            spec = find(name, "llm", "mha")
+            assert spec is not None
+            try:
+                out[name] = dict(load_backend_config(spec, text).values)
+            except ConfigError as exc:
+                errors.append(str(exc))
+                out[name] = {}
+        if len(errors) == len(names):
+            raise SglxError(errors[0])
+        return out
+
+    def _plan_memory(self) -> MemoryPlan:
+        cfg, mc = self.config, self.model_config
+        context = cfg.context_length or mc.max_position_embeddings
+        probe = TokenKVPool(0, 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.kv_cache_dtype, "meta")
+        per_token = probe.bytes_per_token()
+        default_running = DEFAULT_CPU_MAX_RUNNING if self.device.type == "cpu" else DEFAULT_GPU_MAX_RUNNING
+        max_running = cfg.max_running_requests or default_running
+        row_bytes = (context + 1) * 4
+        if cfg.max_total_tokens is not None:
+            slots, source = cfg.max_total_tokens, "max_total_tokens"
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            fraction = cfg.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
+            budget = total * fraction - (total - free) - max_running * row_bytes
+            slots, source = int(budget // per_token), "mem_fraction_static"
+            if slots < 4 * self.page_size:
+                used = (total - free) / 2**30
+                raise SglxError(
+                    f"no GPU memory left for the KV cache: --mem-fraction-static {fraction} of "
+                    f"{total / 2**30:.1f} GiB, and {used:.1f} GiB are already in use (weights and others). "
+                    "Raise --mem-fraction-static, lower --max-running-requests, or set --max-total-tokens.")
+        else:
+            fraction = cfg.mem_fraction_static or DEFAULT_CPU_RAM_FRACTION
+            budget = int(_free_cpu_bytes() * fraction)
+            cap = max(CPU_MAX_CONTEXTS * context, CPU_MIN_TOKENS)
+            slots, source = min(budget // per_token, cap), "cpu_ram"
+        slots -= slots % self.page_size
+        if slots < self.page_size * 2:
+            raise SglxError(f"the KV pool would hold only {slots} tokens (page size {self.page_size}); "
+                            "set --max-total-tokens to at least two pages.")
+        max_running = max(1, min(max_running, slots))
+        return MemoryPlan(slots, per_token, max_running, context, source)
+
+    def _build_backend(self) -> AttentionBackend:
+        sel = self.selection
+        mc = self.model_config
+
+        def make(name: str) -> AttentionBackend:
+            spec = find(name, "llm", "mha")
+            assert spec is not None
+            ctx = BackendContext(device=self.device, dtype=self.dtype, num_q_heads=mc.num_heads,
+                                 num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=self.page_size,
+                                 req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool,
+                                 config=self.backend_configs.get(name, {}))
+            return spec.load()(ctx)
+
+        if not sel.hybrid:
+            return make(sel.decode)
+        from sglx.attention.llm.hybrid import HybridAttentionBackend
+
+        prefill, decode = make(sel.prefill), make(sel.decode)
+        return HybridAttentionBackend(decode.ctx, prefill, decode)
+
+    # ------------------------------------------------------------------ running
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [batch_size, vocab] of each request's last token (every token if return_all_logits)."""
+        batch.attn_backend = self.backend
+        self.backend.init_forward_metadata(batch)
+        return self.model(batch).float()
+
+    def describe(self) -> dict[str, object]:
+        sel = self.selection
+        return {
+            "attention_backend": sel.label,
+            "prefill_attention_backend": sel.prefill,
+            "decode_attention_backend": sel.decode,
+            "selection": sel.source,
+            "why": sel.why,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "dtype": _dtype_name(self.dtype),
+            "device": str(self.device),
+            "max_total_tokens": self.memory.num_slots,
+            "max_running_requests": self.memory.max_running_requests,
+            "context_length": self.memory.context_length,
+        }
