@@ -260,3 +260,24 @@ def test_a_failing_step_fails_its_requests_not_the_loop() -> None:
     assert finished[0].finish_reason == "abort" and "kernel exploded" in (finished[0].error or "")
     assert finished[1].token_ids == reference_generate([1, 2], 3)
     assert drained(s)
+
+
+def test_abort_between_prefill_chunks_frees_everything() -> None:
+    s = make(chunk=8, page_size=4)
+    req = submit(s, list(range(1, 41)), 5, rid="chunky")
+    other = submit(s, [3, 4, 5], 5)
+    s.step()
+    assert s.chunked_req is req
+    s.abort("chunky")
+    s.run_until_idle()
+    assert req.finish_reason == "abort" and req.output_ids == []
+    assert other.output_ids == reference_generate([3, 4, 5], 5)
+    assert drained(s)
+
+
+def test_fill_slice_spans_prompt_and_output() -> None:
+    req = Request("x", [1, 2, 3], SamplingParams())
+    req.output_ids = [4, 5]
+    for a in range(6):
+        for b in range(a, 6):
+            assert req.fill_slice(a, b) == req.fill_ids[a:b]

@@ -158,6 +158,8 @@ class ModelRunner:
             budget = int(_free_cpu_bytes() * fraction)
             cap = max(CPU_MAX_CONTEXTS * context, CPU_MIN_TOKENS)
             slots, source = min(budget // per_token, cap), "cpu_ram"
+        if source != "max_total_tokens":  # more KV than every running request at full context is never used
+            slots = min(slots, max_running * context)
         slots -= slots % self.page_size
         if slots < self.page_size * 2:
             raise SglxError(f"the KV pool would hold only {slots} tokens (page size {self.page_size}); "

@@ -79,6 +79,15 @@ class Request:
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building the whole list (decode steps read one token)."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[:end - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

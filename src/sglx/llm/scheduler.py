@@ -283,6 +283,10 @@ class Scheduler:
             token_budget = min(token_budget, chunk)
         batch: list[Request] = []
 
+        if self.chunked_req is not None and self.chunked_req.finished:  # aborted between chunks
+            req, self.chunked_req = self.chunked_req, None
+            self._release(req)
+            self._emit(req)
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
             n = self._chunk_len(req.remaining, token_budget, chunk)
@@ -400,7 +404,8 @@ class Scheduler:
         return list(self.running)
 
     def step(self) -> None:
-        """One scheduling step: admit, run the model once, sample and advance every request in the batch."""
+        """One scheduling step: take new requests, admit, run the model once, sample, advance the batch."""
+        self._drain_inbox(block=False)
         self._drop_finished_running()
         extend = self._schedule_prefill()
         if extend:
@@ -434,7 +439,7 @@ class Scheduler:
         positions: list[int] = []
         locs = []
         for r in reqs:
-            ids.extend(r.fill_ids[r.kv_len:r.kv_len + r.extend_len])
+            ids.extend(r.fill_slice(r.kv_len, r.kv_len + r.extend_len))
             positions.extend(range(r.kv_len, r.kv_len + r.extend_len))
             locs.append(table[r.row, r.kv_len:r.kv_len + r.extend_len])
         seq_lens = [r.kv_len + r.extend_len for r in reqs]
