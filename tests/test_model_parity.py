@@ -181,6 +181,36 @@ def test_rope_scaling_matches_hf(workdir: Path, kind: str) -> None:
     assert greedy_decode(harness, [row], logits[-1:], 12, [ref[1]]) == [ref[0]]
 
 
+def test_per_layer_sliding_window_matches_hf(workdir: Path) -> None:
+    """Qwen2 with use_sliding_window: only layers >= max_window_layers slide (HF's layer_types)."""
+    _, model, hf, tok = tiny(workdir, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert model.config.layer_sliding_windows == (None, 8)
+    assert [layer.self_attn.attn.spec.sliding_window for layer in model.model.layers] == [None, 8]
+    prompt = tok.encode(TEXTS[2])
+    harness = PagedKVHarness(model, page_size=4)
+    row = harness.new_request()
+    logits = harness.extend([(row, prompt)], return_all_logits=True)
+    torch.testing.assert_close(logits, hf_all_logits(hf, prompt), **TOL)
+    ref = reference_greedy("qwen2", prompt, 12, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert greedy_decode(harness, [row], logits[-1:], 12, [ref[1]]) == [ref[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_hf(workdir: Path, dtype: torch.dtype) -> None:
+    """bf16/fp16 follow HF's casts (norms and RoPE in float32, cast back): logits agree to a few ulps."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _, _, tok = tiny(workdir, "qwen3")
+    model, _ = load_model(model_dir, dtype, "cpu")
+    assert next(model.parameters()).dtype == dtype
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager").eval()
+    prompt = tok.encode(TEXTS[1])
+    harness = PagedKVHarness(model, page_size=16)
+    logits = harness.extend([(harness.new_request(), prompt)], return_all_logits=True)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hf_all_logits(hf, prompt), atol=0.06, rtol=0)
+
+
 def test_tied_embeddings(workdir: Path) -> None:
     from safetensors import safe_open
 
@@ -375,3 +405,44 @@ def test_tokenizer_matches_hf_and_incremental_decoder(workdir: Path) -> None:
     partial = tok.encode("🦊", add_special_tokens=False)
     assert [decoder.push(i) for i in partial[:-1]] == [""] * (len(partial) - 1)
     assert decoder.flush() == tok.decode(partial[:-1])  # an unfinished character is still flushed at the end
+
+
+# ---------------------------------------------------------------- GPU tier (pytest -m gpu on a lent GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_matches_hf(workdir: Path, arch: str) -> None:
+    """Same parity on CUDA: float32 tight, bfloat16 within a few ulps; weights built on meta then CUDA."""
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model_dir, _, _, tok = tiny(workdir, arch)
+    prompts = [tok.encode(t) for t in TEXTS]
+    for dtype, tol in ((torch.float32, {"atol": 1e-3, "rtol": 1e-3}), (torch.bfloat16, {"atol": 0.08, "rtol": 0})):
+        model, _ = load_model(model_dir, dtype, "cuda")
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+        hf = hf.to("cuda").eval()
+        harness = PagedKVHarness(model, page_size=16)
+        rows = [harness.new_request() for _ in prompts]
+        logits = harness.extend(list(zip(rows, prompts)), return_all_logits=True)
+        for prompt, ours in zip(prompts, logits.split([len(p) for p in prompts])):
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
+            torch.testing.assert_close(ours, ref, **tol)
+
+
+@pytest.mark.gpu
+def test_gpu_dummy_shipped_config_runs() -> None:
+    """A real shipped config (llama-3.2-1b, 1.2B params) dummy-loads on CUDA in its bf16 and runs a step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, cfg = load_model("llama-3.2-1b", "auto", "cuda", load_format="dummy", seed=0)
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.lm_head is None
+    harness = PagedKVHarness(model, page_size=16, max_requests=2, max_context=128)
+    row = harness.new_request()
+    logits = harness.extend([(row, list(range(100, 164)))])
+    assert logits.shape == (1, cfg.vocab_size) and torch.isfinite(logits).all()
+    logits = harness.decode([(row, int(logits.argmax()))])
+    assert torch.isfinite(logits).all()

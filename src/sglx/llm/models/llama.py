@@ -115,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.num_tokens == 0:  # IDLE step: nothing to compute
+            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=batch.input_ids.device)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if not batch.return_all_logits:
             hidden = hidden[batch.last_token_indices()]
