@@ -156,6 +156,8 @@ class Engine:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
+        if not prompts:
+            return []
         results: list[dict[str, Any] | None] = [None] * len(prompts)
         remaining = [len(prompts)]
         done = threading.Event()
@@ -252,9 +254,15 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.scheduler.stop()
+        """Stop the scheduler thread and free the model and KV memory (a new Engine can take the GPU)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.stop()
+        if self.scheduler.alive:  # a step is still running; its memory goes when the thread ends
+            return
+        self.scheduler.release_memory()
+        self.runner.release_memory()
 
     def __enter__(self) -> Engine:
         return self

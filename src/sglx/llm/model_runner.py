@@ -196,6 +196,17 @@ class ModelRunner:
         self.backend.init_forward_metadata(batch)
         return self.model(batch).float()
 
+    def release_memory(self) -> None:
+        """Free weights, KV pools and backend state (the runner is unusable afterwards)."""
+        import gc
+
+        for name in ("model", "backend", "token_kv_pool", "req_to_token_pool"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def describe(self) -> dict[str, object]:
         sel = self.selection
         return {

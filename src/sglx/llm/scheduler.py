@@ -134,6 +134,12 @@ class Scheduler:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
         self._fail_all("the engine was shut down")
 
+    def release_memory(self) -> None:
+        """Drop the references to pools and runner after stop(), so their device memory can be freed."""
+        self.runner = None  # type: ignore[assignment]
+        self.req_to_token_pool = self.token_kv_pool = None  # type: ignore[assignment]
+        self.cache.req_to_token_pool = None  # type: ignore[assignment]
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
