@@ -30,8 +30,8 @@ class TokenSlotAllocator:
     def clear(self) -> None:
         """Every page free again (used at startup and by tests)."""
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))  # pop() hands out low pages first
-        self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
-        self._is_free[0] = False
+        self._is_free = bytearray(b"\x01") * (self.num_pages + 1)  # per page; page 0 is never free
+        self._is_free[0] = 0
 
     # ------------------------------------------------------------------ introspection
 
@@ -52,7 +52,9 @@ class TokenSlotAllocator:
 
     def _take_pages(self, n: int) -> list[int]:
         pages = [self._free_pages.pop() for _ in range(n)]
-        self._is_free[pages] = False
+        is_free = self._is_free
+        for p in pages:
+            is_free[p] = 0
         return pages
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -100,8 +102,10 @@ class TokenSlotAllocator:
             if not slots:
                 return
             pages = sorted({int(s) // self.page_size for s in slots})
-        bad = [p for p in pages if p <= 0 or p > self.num_pages or bool(self._is_free[p])]
+        is_free = self._is_free
+        bad = [p for p in pages if p <= 0 or p > self.num_pages or is_free[p]]
         if bad:
             raise RuntimeError(f"KV allocator: freeing pages that are not allocated: {bad[:8]}")
-        self._is_free[pages] = True
+        for p in pages:
+            is_free[p] = 1
         self._free_pages.extend(reversed(pages))

@@ -59,6 +59,7 @@ class Request:
         self.cache_len = 0
         self.last_node: Any = None
         self.extend_len = 0  # tokens scheduled in the current step
+        self.step_locs: torch.Tensor | None = None  # their KV slots (CPU)
         # results
         self.text = ""
         self._sent_text = 0

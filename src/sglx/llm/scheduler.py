@@ -252,10 +252,12 @@ class Scheduler:
             self.cache.evict(short * self.page_size)
         return self.allocator.free_pages >= pages
 
-    def _last_loc(self, req: Request) -> int:
-        if req.kv_len == 0:
-            return 0
-        return int(self.req_to_token_pool.req_to_token[req.row, req.kv_len - 1])
+    def _last_locs(self, reqs: list[Request]) -> list[int]:
+        """Slot of each request's last computed token (0 if none), read in one gather: one device sync."""
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.long, device=table.device)
+        cols = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.long, device=table.device)
+        return [loc if r.kv_len else 0 for r, loc in zip(reqs, table[rows, cols].tolist())]
 
     def _alloc(self, reqs: list[Request]) -> torch.Tensor | None:
         """Slots for every request's scheduled extend_len tokens, written into req_to_token; None if short."""
@@ -263,14 +265,16 @@ class Scheduler:
         seq = [r.kv_len + r.extend_len for r in reqs]
         if not self._ensure_pages(self.allocator.pages_needed(prefix, seq)):
             return None
-        locs = self.allocator.alloc_extend(prefix, seq, [self._last_loc(r) for r in reqs])
+        locs = self.allocator.alloc_extend(prefix, seq, self._last_locs(reqs))
         if locs is None:
             return None
         table = self.req_to_token_pool.req_to_token
+        rows = torch.repeat_interleave(torch.tensor([r.row for r in reqs]), torch.tensor([r.extend_len for r in reqs]))
+        cols = torch.cat([torch.arange(r.kv_len, r.kv_len + r.extend_len) for r in reqs])
+        table[rows.to(table.device), cols.to(table.device)] = locs.to(table.device, table.dtype)
         offset = 0
         for r in reqs:
-            table[r.row, r.kv_len:r.kv_len + r.extend_len] = locs[offset:offset + r.extend_len].to(
-                table.device, table.dtype)
+            r.step_locs = locs[offset:offset + r.extend_len]
             offset += r.extend_len
         return locs
 
@@ -440,14 +444,11 @@ class Scheduler:
 
     def _build_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
         device = self.runner.device
-        table = self.req_to_token_pool.req_to_token
         ids: list[int] = []
         positions: list[int] = []
-        locs = []
         for r in reqs:
             ids.extend(r.fill_slice(r.kv_len, r.kv_len + r.extend_len))
             positions.extend(range(r.kv_len, r.kv_len + r.extend_len))
-            locs.append(table[r.row, r.kv_len:r.kv_len + r.extend_len])
         seq_lens = [r.kv_len + r.extend_len for r in reqs]
         return ForwardBatch(
             mode=mode,
@@ -455,7 +456,7 @@ class Scheduler:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            out_cache_loc=torch.cat(locs).to(device=device, dtype=torch.long),
+            out_cache_loc=torch.cat([r.step_locs for r in reqs]).to(device=device, dtype=torch.long),
             req_to_token_pool=self.req_to_token_pool,
             token_kv_pool=self.token_kv_pool,
             seq_lens_cpu=seq_lens,
