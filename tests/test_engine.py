@@ -266,3 +266,51 @@ def test_cuda_engine_matches_hf(workdir: Path, page_size: int) -> None:
         first = eng.generate(input_ids=prompts, sampling_params=params)
         second = eng.generate(input_ids=prompts[::-1], sampling_params=params)
         assert [r["output_ids"] for r in first] == [r["output_ids"] for r in second[::-1]]
+
+
+def _embedded_dir() -> Path | None:
+    from sglx.llm.embedded import default_model_path
+
+    path = default_model_path()
+    return path if (path / "model.safetensors").is_file() else None
+
+
+def _runnable_backends(page_size: int) -> list[str]:
+    """Every implemented LLM backend that can run on this machine (torch_native on a CPU)."""
+    from sglx.attention.request import AttentionRequest
+    from sglx.attention.selection import runnable
+    from sglx.llm.model_runner import resolve_device, snapshot_for
+
+    snap = snapshot_for(resolve_device("auto"))
+    return list(runnable(snap, AttentionRequest(family="llm", kind="mha", dtype="float32", head_dim=64,
+                                                page_size=page_size)))
+
+
+@pytest.mark.skipif(_embedded_dir() is None, reason="the embedded model is not built yet")
+def test_embedded_model_answers_at_longest_context_in_every_configuration() -> None:
+    """The default model recalls values 500 tokens back through every backend, page size and cache mode."""
+    import random
+
+    from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
+
+    rng = random.Random(2024)
+    examples = [make_example(rng, MAX_PAIRS, query_index=0 if i < 2 else None) for i in range(8)]
+    prompts, answers = [p for p, _ in examples], [a for _, a in examples]
+    params = {"max_new_tokens": 8, "temperature": 0.0}
+    seen: dict[str, list[str]] = {}
+    for page_size in (1, 16, 64):
+        for backend in _runnable_backends(page_size):
+            for radix in (True, False):
+                label = f"{backend} page_size={page_size} radix={'on' if radix else 'off'} chunked=64"
+                with Engine(attention_backend=backend, page_size=page_size, disable_radix_cache=not radix,
+                            chunked_prefill_size=64, dtype="float32") as eng:
+                    texts = [normalize_output(r["text"]) for r in eng.generate(prompts, params)]
+                    if radix:  # again, now served from the prefix cache
+                        again = eng.generate(prompts, params)
+                        assert all(r["cached_tokens"] > 400 for r in again), label
+                        assert [normalize_output(r["text"]) for r in again] == texts, label
+                seen[label] = texts
+    accuracy = {label: sum(t == a for t, a in zip(texts, answers)) / len(answers) for label, texts in seen.items()}
+    print("\nembedded model accuracy at", MAX_PAIRS, "pairs:", accuracy)
+    assert all(acc >= 0.85 for acc in accuracy.values()), accuracy
+    assert len({tuple(t) for t in seen.values()}) == 1, "configurations disagree"

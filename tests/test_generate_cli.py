@@ -114,3 +114,12 @@ def test_embedded_model_answers_by_default() -> None:
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [normalize_output(r["text"]) for r in records] == [answer for _, answer in examples]
+
+
+def test_cuda_on_a_machine_without_it_is_a_clear_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(app, ["generate", "--prompt", "x", "--device", "cuda"])
+    assert result.exit_code == 2 and "CUDA is not available" in result.output and "--device cpu" in result.output
