@@ -229,15 +229,16 @@ def test_abort_and_threaded_loop() -> None:
     assert drained(s)
 
 
-def test_a_failing_step_fails_its_requests_not_the_loop() -> None:
-    s = make()
+@pytest.mark.parametrize("fail_at", [1, 2])  # the first (prefill) or second (decode) step
+def test_a_failing_step_fails_its_requests_not_the_loop(fail_at: int) -> None:
+    s = make(page_size=4)
 
     class Boom(HashModel):
         calls = 0
 
         def forward(self, batch: ForwardBatch) -> torch.Tensor:
             Boom.calls += 1
-            if Boom.calls == 2:
+            if Boom.calls == fail_at:
                 raise ValueError("kernel exploded")
             return super().forward(batch)
 

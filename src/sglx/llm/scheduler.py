@@ -82,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked_req: Request | None = None
+        self._batch: list[Request] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self.record_modes = False
@@ -229,7 +230,9 @@ class Scheduler:
             req.on_output(req.take_chunk())
 
     def _fail_all(self, message: str) -> None:
-        reqs = [*self.waiting, *self.running, *([self.chunked_req] if self.chunked_req else [])]
+        reqs = list({id(r): r for r in [*self._batch, *self.waiting, *self.running,
+                                         *([self.chunked_req] if self.chunked_req else [])]}.values())
+        self._batch = []
         self.waiting.clear()
         self.running = []
         self.chunked_req = None
@@ -427,6 +430,7 @@ class Scheduler:
         reqs = extend + decode
         if not reqs:
             return
+        self._batch = reqs  # in no queue while the step runs: _fail_all must still find them
         if not extend:
             self.new_token_ratio = max(self.config.min_new_token_ratio,
                                        self.new_token_ratio - self.config.new_token_ratio_decay)
@@ -434,6 +438,7 @@ class Scheduler:
         logits = self.runner.forward(batch)
         self._record(mode, reqs, batch)
         self._process(reqs, decode, logits)
+        self._batch = []
 
     def _drop_finished_running(self) -> None:
         """Requests aborted between steps leave the running set before the next step is formed."""
