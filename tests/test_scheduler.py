@@ -282,3 +282,17 @@ def test_fill_slice_spans_prompt_and_output() -> None:
     for a in range(6):
         for b in range(a, 6):
             assert req.fill_slice(a, b) == req.fill_ids[a:b]
+
+
+def test_a_broken_output_callback_aborts_only_its_request() -> None:
+    s = make()
+
+    def broken(chunk: OutputChunk) -> None:
+        raise RuntimeError("event loop is closed")
+
+    bad = Request("bad", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0), on_output=broken, stream=True)
+    good = submit(s, [4, 5, 6], 8)
+    s.submit(bad)
+    s.run_until_idle()
+    assert bad.finish_reason == "abort" and good.output_ids == reference_generate([4, 5, 6], 8)
+    assert drained(s)

@@ -227,7 +227,12 @@ class Scheduler:
         if req.on_output is None:
             return
         if req.finished or (req.stream and req.has_new_output):
-            req.on_output(req.take_chunk())
+            try:
+                req.on_output(req.take_chunk())
+            except Exception:  # a caller's broken callback (e.g. a closed event loop) ends only its request
+                log.exception("output callback of request %s failed; aborting it", req.rid)
+                req.on_output = None
+                req.finish("abort", error="the output callback failed")
 
     def _fail_all(self, message: str) -> None:
         reqs = list({id(r): r for r in [*self._batch, *self.waiting, *self.running,
