@@ -30,7 +30,7 @@ MHA_NAMES = {"flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attenti
 MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "triton", "fa4", "ascend"}
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
-IMPLEMENTED = {("llm", "mha", "torch_native"), ("diffusion", "dit", "torch_sdpa")}
+IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa")}
 
 SNAPSHOTS = {
     "h100": fake("cuda", gpu="NVIDIA H100", capability=(9, 0), cuda="12.4"),
@@ -102,7 +102,6 @@ MHA_MATRIX = {
     "flashinfer": (True, True, False, True, True, True, False),
     "fa3": (True, True, False, True, True, True, True),
     "fa4": (True, False, True, True, True, False, True),
-    "triton": (False, True, True, True, True, True, True),
     "flex_attention": (False, False, True, False, False, False, False),
     "trtllm_mha": (True, True, True, True, False, True, False),
     "dual_chunk_flash_attn": (True, False, False, False, False, False, False),
@@ -147,6 +146,15 @@ def test_torch_native_declares_what_sglx_implements() -> None:
     assert (f.sliding_window, f.fp8_kv, f.spec_topk1, f.cuda_graph) == (True, True, False, False)
 
 
+def test_triton_declares_what_sglx_implements() -> None:
+    """sglx's own Triton kernels: any page size via kv_indices, fp8 KV, sliding window; no fp4, spec or graphs yet."""
+    f = spec("llm", "mha", "triton").features
+    assert isinstance(f, LLMFeatures)
+    got = (f.native_paging, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1, f.sliding_window, f.multimodal)
+    assert got == (True, True, False, False, False, True, False)
+    assert not f.cuda_graph
+
+
 # The seeds' hard page-size constraints: (kind, backend, machine, allowed sizes or None = any)
 PAGE_RULES = [
     ("mha", "fa4", "h100", (128,)), ("mha", "fa4", "b200", None),
@@ -172,7 +180,7 @@ def test_native_page_sizes_text_for_docs() -> None:
     assert texts[("mha", "trtllm_mha")] == "16, 32, 64"
     assert texts[("mla", "trtllm_mla")] == "32, 64"
     assert texts[("mla", "fa4")] == "1"
-    assert texts[("mha", "triton")] == "n/a (emulated)"
+    assert texts[("mha", "triton")] == "any"
     assert texts[("mha", "flashinfer")] == "any"
 
 

@@ -242,10 +242,10 @@ AUTO_CONSTRAINED = [
     pytest.param("b200", ModelTraits(sliding_window=True), LLMBackendArgs(), "trtllm_mha", 64, {},
                  id="b200-sliding-window"),
     pytest.param("b200", MHA, LLMBackendArgs(kv_cache_dtype="fp8_e4m3"), "trtllm_mha", 64, {}, id="b200-fp8"),
-    pytest.param("a100", MHA, LLMBackendArgs(kv_cache_dtype="fp4_e2m1"), "triton", 1,
-                 {"flashinfer": ("fp4 KV cache", "fp4_e2m1")}, id="a100-fp4-kv"),
-    pytest.param("a100", ModelTraits(multimodal=True), LLMBackendArgs(), "triton", 1,
-                 {"flashinfer": ("multimodal",)}, id="a100-multimodal"),
+    pytest.param("a100", MHA, LLMBackendArgs(kv_cache_dtype="fp4_e2m1"), None, None,
+                 {"flashinfer": ("fp4 KV cache", "fp4_e2m1"), "triton": ("fp4 KV cache",)}, id="a100-fp4-kv"),
+    pytest.param("a100", ModelTraits(multimodal=True), LLMBackendArgs(), None, None,
+                 {"flashinfer": ("multimodal",), "triton": ("multimodal",)}, id="a100-multimodal"),
     pytest.param("mps", MHA, LLMBackendArgs(spec_topk=1), None, None,
                  {"torch_native": ("topk=1",)}, id="mps-spec-nothing-runs"),
 ]
@@ -512,12 +512,13 @@ REAL_MACHINES = list(MACHINES)
 @pytest.mark.parametrize("name", REAL_MACHINES)
 def test_real_registry_mha_picks_only_implemented(name: str) -> None:
     sel = select_llm(machine(name), MHA, LLMBackendArgs())
-    assert (sel.prefill, sel.decode) == ("torch_native", "torch_native")
+    expected = "triton" if MACHINES[name][0] in ("cuda", "rocm", "xpu") else "torch_native"  # triton on any GPU
+    assert (sel.prefill, sel.decode) == (expected, expected)
     lost = passed_over(sel.considered)
     for cand, reasons in lost.items():
         assert NOT_IMPLEMENTED in reasons, (cand, reasons)
     if name == "h100_cu124":
-        assert set(lost) == {"fa3", "flashinfer", "triton"}
+        assert set(lost) == {"fa3", "flashinfer"}
         assert all(reasons == NOT_IMPLEMENTED for reasons in lost.values())  # everything else holds there
 
 
@@ -538,14 +539,14 @@ def test_real_registry_diffusion_picks_only_implemented(name: str) -> None:
 
 
 @pytest.mark.parametrize(("traits", "backend"), [
-    (MHA, "fa3"), (MHA, "flashinfer"), (MHA, "triton"), (MLA, "flashmla"), (MLA, "trtllm_mla"),
+    (MHA, "fa3"), (MHA, "flashinfer"), (MLA, "flashmla"), (MLA, "trtllm_mla"),
 ])
 def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, backend: str) -> None:
     snap = machine("b200" if backend == "trtllm_mla" else "h100_cu124")
     msg = raises_unavailable(select_llm, snap, traits, LLMBackendArgs(attention_backend=backend))
     assert f"  - {NOT_IMPLEMENTED}" in msg.splitlines()
     if traits is MHA:
-        assert "Backends that would run here: torch_native" in msg
+        assert "Backends that would run here: triton, torch_native" in msg
     else:
         assert "No MLA attention backend can run here" in msg
 

@@ -1,0 +1,124 @@
+"""Helpers shared by the Triton kernels: KV storage formats, padded head dims, device facts, soft-cap.
+
+Kept apart so store, decode and extend agree bit for bit on how fp8 KV is encoded and decoded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# KV storage format codes passed to kernels as constexpr.
+KV_NATIVE, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2
+_FORMAT_BY_DTYPE = {torch.float8_e4m3fn: KV_FP8_E4M3, torch.float8_e5m2: KV_FP8_E5M2}
+
+
+def kv_format(fp8_dtype: torch.dtype | None) -> int:
+    """The constexpr code of a pool's storage: native dtype, or uint8 bits of one fp8 format."""
+    if fp8_dtype is None:
+        return KV_NATIVE
+    return _FORMAT_BY_DTYPE[fp8_dtype]
+
+
+def padded_dim(head_dim: int) -> int:
+    """tl.arange needs a power of two: head dims 80/96 run in a 128-wide block with masks."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA/ROCm) the split heuristic fills; a small fixed number elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@triton.jit
+def fp8_bits_to_value(x, FMT: tl.constexpr):
+    """uint8 bits of fp8 -> the fp8 tensor (caller casts to its compute dtype); native data passes through."""
+    if FMT == 1:
+        y = x.to(tl.float8e4nv, bitcast=True)
+    elif FMT == 2:
+        y = x.to(tl.float8e5, bitcast=True)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def value_to_fp8_bits(x, FMT: tl.constexpr):
+    """float32 -> uint8 bits of e4m3fn (FMT 1) or e5m2 (FMT 2), round-to-nearest-even.
+
+    Integer arithmetic instead of a cast so the bits equal torch's `.to(float8)` everywhere, the
+    Triton interpreter included (its cast mis-rounds at binade edges); like torch, e4m3fn saturates
+    out-of-range values and infinities to +-448 and e5m2 overflows to inf; NaN stays NaN.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp32 = mag >> 23
+    mant = (mag & 0x7FFFFF) | 0x800000
+    MBITS: tl.constexpr = 4 - FMT  # e4m3: 3 mantissa bits, e5m2: 2
+    BIAS: tl.constexpr = 8 * FMT - 1  # e4m3: 7, e5m2: 15
+    biased = exp32 - 127 + BIAS
+    eb = tl.maximum(biased, 1)
+    shift = tl.minimum(23 - MBITS + (eb - biased), 31)
+    q = mant >> shift
+    rest = mant - (q << shift)
+    half = (1 << (shift - 1))
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.int32)
+    enc = ((eb - 1) << MBITS) + q
+    if FMT == 1:
+        enc = tl.where(mag > 0x7F800000, 0x7F, tl.minimum(enc, 0x7E))
+    else:
+        enc = tl.where(exp32 == 0xFF, tl.where(mag > 0x7F800000, 0x7F, 0x7C), tl.minimum(enc, 0x7C))
+    enc = tl.where(exp32 == 0, 0, enc)  # zeros and float32 subnormals
+    return (enc | sign).to(tl.uint8)
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), written with exp so it runs on every Triton backend and the interpreter."""
+    t = s / cap
+    return cap * (2.0 / (1.0 + tl.exp(-2.0 * t)) - 1.0)
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """tl.dot; float32 inputs get exact IEEE products instead of TF32 (used by the CPU reference paths)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile of online softmax in the log2 domain -> (p, alpha, m_new, l_new).
+
+    Without soft-cap the scale is applied as `qk * scale - m` (one FMA per score; scale > 0 keeps the
+    row max); qk_scale then already holds log2(e). m_i starts finite (-1e30), so fully masked rows give
+    p = 0 and alpha = 1 instead of NaN.
+    """
+    if SOFTCAP:
+        s = soft_cap(qk * qk_scale, logit_cap) * 1.4426950408889634
+        if MASK:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        if MASK:
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)

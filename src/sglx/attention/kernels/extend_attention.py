@@ -1,0 +1,181 @@
+"""Paged extend (prefill) attention: new queries attend to the cached prefix and, causally, to each other.
+
+Every key, the prefix's and this step's, is read from the KV pool through `kv_indices` (the backend
+stores this step's K/V first), exactly like the reference backend, so fp8 KV means the same numbers
+in both. One program owns BLOCK_M queries of one head of one request; its key range is cut into a
+masked low edge (sliding window), an unmasked middle and a masked diagonal, so only the edge tiles
+pay for masks. Query blocks run heaviest (last) first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglx.attention.kernels.common import (
+    LOG2E,
+    dot,
+    fp8_bits_to_value,
+    kv_format,
+    online_softmax_step,
+    padded_dim,
+)
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch parameters; `None` fields are chosen from the head dim and the device."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@triton.jit
+def _extend_tiles(
+    acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
+    qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
+    offs_d, offs_dv, d_mask, dv_mask,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_mask = offs_n < kv_len
+            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+        else:
+            slots = tl.load(Kv_Indices + kv_start + offs_n).to(tl.int64)
+            k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=d_mask[:, None], other=0.0)
+            v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                        mask=dv_mask[None, :], other=0.0)
+        k = fp8_bits_to_value(k, FMT).to(q.dtype)
+        v = fp8_bits_to_value(v, FMT).to(q.dtype)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < kv_len)
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - win)  # unused (removed) when not MASKED
+        p, alpha, m_new, l_i = online_softmax_step(dot(q, k, IEEE), visible, m_i, l_i, qk_scale, logit_cap, MASKED,
+                                                   SOFTCAP)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices,
+    qk_scale, logit_cap, v_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(Qo_Indptr + b)
+    ext_len = tl.load(Qo_Indptr + b + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 < ext_len:
+        kv_start = tl.load(Kv_Indptr + b)
+        kv_len = tl.load(Kv_Indptr + b + 1) - kv_start
+        prefix = kv_len - ext_len
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < ext_len
+        q_pos = prefix + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d_mask = offs_d < D
+        dv_mask = offs_dv < DV
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+        # Keys every valid query of the block sees: [full_lo, q_first]; partially seen below and above.
+        q_first = prefix + m0
+        q_last = prefix + tl.minimum(m0 + BLOCK_M, ext_len) - 1
+        win = tl.where(window > 0, window, 1 << 30)  # no window: one wider than any context
+        k_lo = tl.maximum(q_first - win + 1, 0)
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(q_last - win + 1, 0), BLOCK_N) * BLOCK_N, q_last + 1)
+        full_hi = tl.maximum(full_lo, ((q_first + 1) // BLOCK_N) * BLOCK_N)
+        edge_lo = (k_lo // BLOCK_N) * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc, l_i, m_i = _extend_tiles(
+            acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
+            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
+            dv_mask, BLOCK_N, True, FMT, SOFTCAP, IEEE)
+        acc, l_i, m_i = _extend_tiles(
+            acc, l_i, m_i, q, q_pos, full_lo, full_hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
+            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
+            dv_mask, BLOCK_N, False, FMT, SOFTCAP, IEEE)
+        acc, l_i, m_i = _extend_tiles(
+            acc, l_i, m_i, q, q_pos, full_hi, q_last + 1, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
+            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
+            dv_mask, BLOCK_N, True, FMT, SOFTCAP, IEEE)
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
+        o_rows = (q_start + offs_m).to(tl.int64)
+        tl.store(Out + o_rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=m_mask[:, None] & dv_mask[None, :])
+
+
+def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool
+            ) -> tuple[int, int, int, int]:
+    if interpret:
+        return config.block_m or 16, config.block_n or 16, 1, 1
+    if torch.version.hip:  # 64 KB LDS: small tiles, no multi-stage buffering (not measured yet)
+        block_m, block_n, warps, stages = 64, 64, 4, 1
+    elif head_dim > 128:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif torch.cuda.get_device_capability(device)[0] >= 9:  # H100 sweep: 128x128/8 warps was fastest
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+    else:  # ~100-164 KB shared memory: 128x64 tiles fit with 3 stages
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    return (config.block_m or block_m, config.block_n or block_n, config.num_warps or warps,
+            config.num_stages or stages)
+
+
+def extend_attention(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int,
+    scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
+    config: ExtendConfig = ExtendConfig(), interpret: bool = False,
+) -> torch.Tensor:
+    """q [T, Hq, D] (request i's rows qo_indptr[i]:qo_indptr[i+1]) -> out [T, Hq, Dv]; request i's keys are
+    kv_indices[kv_indptr[i]:kv_indptr[i+1]], its new tokens being the last ones (already stored)."""
+    num_tokens, hq, dim = q.shape
+    bs = qo_indptr.shape[0] - 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_tokens == 0 or bs == 0 or max_extend_len == 0:
+        return out
+    hkv = k_buffer.shape[1]
+    dim_v = v_buffer.shape[-1]
+    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret)
+    softcap = logit_cap > 0
+    qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
+    grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
+    _extend_kernel[grid](
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+        qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
+        BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,124 @@
+"""triton: sglx's own Triton kernels behind the paged backend contract; runs on any CUDA/ROCm GPU.
+
+Per step it builds CSR `kv_indptr`/`kv_indices` on the device (one Triton launch) and sizes the
+decode split scratch once; every layer reuses them. K/V of the step are stored by a Triton kernel
+before attention, and attention reads every key from the pool, so results equal `torch_native`'s
+(fp8 KV included). Not CUDA-graph capturable yet: the graph hooks will fill static copies of the
+same metadata (see `_Metadata`), which is why nothing here reads device values back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglx.attention.kernels.common import interpreted, num_sms
+from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
+from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
+from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
+from sglx.attention.kernels.store_kv import store_kv
+from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.errors import BackendUnavailableError
+from sglx.llm.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Metadata:
+    """One step's plan; the future CUDA-graph state holds static buffers of the same fields."""
+
+    kv_indptr: torch.Tensor  # [bs + 1] int32
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int32 slots
+    qo_indptr: torch.Tensor | None = None  # extend: [bs + 1] int32
+    max_extend_len: int = 0
+    mid_o: torch.Tensor | None = None  # decode: [bs, Hq, splits, Dv] float32
+    mid_lse: torch.Tensor | None = None  # decode: [bs, Hq, splits] float32
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.interpret = interpreted()
+        if ctx.device.type == "cpu" and not self.interpret:
+            raise BackendUnavailableError(
+                "attention backend triton was asked for on CPU: its kernels need a CUDA or ROCm GPU "
+                "(or TRITON_INTERPRET=1 for testing); use --attention-backend torch_native on this machine"
+            )
+        self.decode_config = DecodeConfig()  # launch parameters; benchmarks may swap in others
+        self.extend_config = ExtendConfig()
+        self.v_head_dim = ctx.token_kv_pool.v_head_dim
+        self.meta: _Metadata | None = None
+
+    # ------------------------------------------------------------------ metadata
+    def _indices(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.ctx.device
+        seq_lens = batch.seq_lens.to(device=device, dtype=torch.int32)
+        kv_indptr = build_kv_indptr(seq_lens)
+        kv_indices = torch.empty(sum(batch.seq_lens_cpu), dtype=torch.int32, device=device)
+        req_pool_indices = batch.req_pool_indices.to(device)
+        build_kv_indices(batch.req_to_token_pool.req_to_token, req_pool_indices, kv_indptr, kv_indices)
+        return kv_indptr, kv_indices
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        kv_indptr, kv_indices = self._indices(batch)
+        meta = _Metadata(kv_indptr, kv_indices)
+        bs = batch.batch_size
+        if batch.mode.is_decode:
+            splits = choose_num_kv_splits(bs, self.ctx.num_kv_heads, max(batch.seq_lens_cpu, default=0),
+                                          num_sms(self.ctx.device), self.decode_config)
+            meta.mid_o = torch.empty((bs, self.ctx.num_q_heads, splits, self.v_head_dim), dtype=torch.float32,
+                                     device=self.ctx.device)
+            meta.mid_lse = torch.empty((bs, self.ctx.num_q_heads, splits), dtype=torch.float32,
+                                       device=self.ctx.device)
+        else:
+            lens = batch.extend_seq_lens_cpu
+            indptr = [0]
+            for n in lens:
+                indptr.append(indptr[-1] + n)
+            meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.ctx.device)
+            meta.max_extend_len = max(lens, default=0)
+        self.meta = meta
+
+    # ------------------------------------------------------------------ attention
+    def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
+        pool = batch.token_kv_pool
+        store_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
+                 pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], batch.out_cache_loc,
+                 pool.k_scale[layer.layer_id], pool.v_scale[layer.layer_id], pool.fp8_dtype)
+
+    def _kernel_args(self, layer: LayerSpec, batch: ForwardBatch) -> dict:
+        pool = batch.token_kv_pool
+        return dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
+                    k_scale=pool.k_scale[layer.layer_id], v_scale=pool.v_scale[layer.layer_id],
+                    fp8_dtype=pool.fp8_dtype, interpret=self.interpret)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(k, v, layer, batch)
+        meta = self.meta
+        assert meta is not None and meta.qo_indptr is not None, "init_forward_metadata(batch) must run first"
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
+        pool = batch.token_kv_pool
+        return extend_attention(
+            q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.qo_indptr,
+            meta.kv_indptr, meta.kv_indices, meta.max_extend_len, layer.scaling, config=self.extend_config,
+            **self._kernel_args(layer, batch))
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(k, v, layer, batch)
+        meta = self.meta
+        assert meta is not None and meta.mid_o is not None and meta.mid_lse is not None, \
+            "init_forward_metadata(batch) must run first"
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
+        pool = batch.token_kv_pool
+        return decode_attention(
+            q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.kv_indptr, meta.kv_indices,
+            meta.mid_o, meta.mid_lse, layer.scaling, config=self.decode_config, **self._kernel_args(layer, batch))

@@ -1,0 +1,149 @@
+"""Triton kernels vs float64, run only under TRITON_INTERPRET=1 (tests/test_triton_kernels.py launches this).
+
+Shapes are tiny (the interpreter runs each program in Python) but chosen to cross every code path:
+several KV splits and key blocks, ragged requests, page sizes 1 and 16, GQA and MHA, head dims that
+are not powers of two, sliding window, soft-cap, fp8 KV with scales, prefix + extend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
+    pytest.skip("run through tests/test_triton_kernels.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention  # noqa: E402
+from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E402
+from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr  # noqa: E402
+from sglx.attention.kernels.store_kv import store_kv  # noqa: E402
+from triton_interpreted.paged import make_paged_cache, reference_attention  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def _indices(cache, lens):
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    kv_indices = torch.full((sum(lens),), -1, dtype=torch.int32)
+    build_kv_indices(cache.r2t.req_to_token, torch.tensor(cache.rows), kv_indptr, kv_indices)
+    return kv_indptr, kv_indices
+
+
+def test_kv_indices_follow_req_to_token_rows():
+    lens = [1, 40, 7, 600]  # 600 > the kernel's block: several loop trips
+    cache = make_paged_cache(lens, 16, 1, 16, torch.float32, fill=[0, 0, 0, 0])
+    kv_indptr, kv_indices = _indices(cache, lens)
+    assert kv_indptr.tolist() == [0, 1, 41, 48, 648]
+    expected = torch.cat([cache.slots(i, 0, n) for i, n in enumerate(lens)]).int()
+    assert torch.equal(kv_indices, expected)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,scales", [("auto", (1.0, 1.0)), ("fp8_e4m3", (0.37, 1.9)),
+                                                   ("fp8_e5m2", (1.0, 0.05))])
+def test_store_kv_writes_the_same_bits_as_the_pool(kv_cache_dtype, scales):
+    lens = [5, 19]
+    mine = make_paged_cache(lens, 4, 3, 80, torch.float32, kv_cache_dtype=kv_cache_dtype, scales=scales,
+                            fill=[0, 0])
+    theirs = make_paged_cache(lens, 4, 3, 80, torch.float32, kv_cache_dtype=kv_cache_dtype, scales=scales,
+                              fill=[0, 0])
+    loc = torch.cat([mine.slots(i, 0, n) for i, n in enumerate(lens)])
+    k = torch.cat(mine.raw_keys) * 40  # reach the saturating end of e4m3 too
+    v = torch.cat(mine.raw_values)
+    k.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    pool = mine.pool
+    store_kv(k, v, pool.k_buffer[0], pool.v_buffer[0], loc, *scales, pool.fp8_dtype)
+    theirs.pool.set_kv(0, loc, k, v)
+    assert torch.equal(pool.k_buffer[0].view(torch.uint8), theirs.pool.k_buffer[0].view(torch.uint8))
+    assert torch.equal(pool.v_buffer[0].view(torch.uint8), theirs.pool.v_buffer[0].view(torch.uint8))
+
+
+def test_fp8_encoding_rounds_ties_to_even_at_every_binade():
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        table = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+        finite = table[torch.isfinite(table)].unique()
+        mids = (finite[1:] + finite[:-1]) / 2
+        x = torch.cat([finite, mids, torch.nextafter(mids, finite[1:]), torch.nextafter(mids, finite[:-1])])
+        x = torch.cat([x, torch.zeros((-x.numel()) % 128)]).view(-1, 2, 64)
+        buf = torch.zeros(x.shape, dtype=torch.uint8)
+        store_kv(x, x, buf, buf.clone(), torch.arange(x.shape[0]), fp8_dtype=fp8)
+        assert torch.equal(buf, x.to(fp8).view(torch.uint8)), fp8
+
+
+def test_num_kv_splits_fill_the_gpu_but_keep_splits_long():
+    assert choose_num_kv_splits(1, 8, 4096, 132) == 16  # limited by min_chunk (256 keys)
+    assert choose_num_kv_splits(64, 8, 4096, 132) == 2  # 512 rows already nearly fill 4 waves
+    assert choose_num_kv_splits(256, 8, 4096, 132) == 1
+    assert choose_num_kv_splits(1, 1, 10**6, 132) == 64  # capped
+    assert choose_num_kv_splits(4, 8, 100, 132) == 1
+
+
+DECODE_CASES = [
+    # (page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits)
+    (1, 4, 4, 64, torch.float32, "auto", (1.0, 1.0), None, 0.0, 4),
+    (16, 8, 2, 80, torch.float32, "auto", (1.0, 1.0), 24, 0.0, 3),
+    (16, 4, 1, 96, torch.float32, "auto", (1.0, 1.0), None, 8.0, 4),
+    (1, 4, 2, 128, torch.float16, "auto", (1.0, 1.0), None, 0.0, 2),
+    (16, 4, 2, 64, torch.float32, "fp8_e4m3", (0.5, 2.0), None, 0.0, 4),
+    (1, 6, 2, 64, torch.float16, "fp8_e5m2", (1.0, 0.7), 10, 6.0, 4),
+    (16, 2, 1, 256, torch.float32, "auto", (1.0, 1.0), None, 0.0, 2),
+]
+
+
+@pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap,max_splits", DECODE_CASES)
+def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits):
+    lens = [1, 70, 33]  # a one-token request, one that needs every split, one in between
+    cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales, seed=dim)
+    kv_indptr, kv_indices = _indices(cache, lens)
+    q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = torch.full((len(lens), hq, dim), float("nan"), dtype=dtype)
+    mid_o = torch.empty(len(lens), hq, max_splits, dim)
+    mid_lse = torch.empty(len(lens), hq, max_splits)
+    pool = cache.pool
+    decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
+                     dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
+                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16), interpret=True)
+    for i, n in enumerate(lens):
+        ref = reference_attention(q[i:i + 1], cache.keys[i], cache.values[i], torch.tensor([n - 1]), dim ** -0.5,
+                                  window, cap)
+        err = (out[i:i + 1].double() - ref).abs().max().item()
+        assert err <= TOL[dtype], (i, err)
+
+
+EXTEND_CASES = [
+    # (page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap)
+    (1, 4, 2, 64, torch.float32, "auto", (1.0, 1.0), None, 0.0),
+    (16, 4, 4, 80, torch.float32, "auto", (1.0, 1.0), 13, 0.0),
+    (16, 6, 2, 64, torch.float32, "auto", (1.0, 1.0), None, 5.0),
+    (1, 4, 1, 96, torch.float16, "auto", (1.0, 1.0), 40, 0.0),
+    (16, 4, 2, 64, torch.float32, "fp8_e4m3", (0.6, 1.7), 21, 0.0),
+    (1, 2, 1, 128, torch.float16, "fp8_e5m2", (1.0, 1.0), None, 4.0),
+]
+
+
+@pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap", EXTEND_CASES)
+def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap):
+    prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]  # no prefix, a decode-like row, both, an empty row
+    lens = [p + n for p, n in zip(prefix, new)]
+    cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
+                             fill=prefix, seed=dim + 1)
+    pool = cache.pool
+    loc = torch.cat([cache.slots(i, p, n) for i, (p, n) in enumerate(zip(prefix, lens))])
+    k_new = torch.cat([k[p:] for k, p in zip(cache.raw_keys, prefix)])
+    v_new = torch.cat([v[p:] for v, p in zip(cache.raw_values, prefix)])
+    store_kv(k_new, v_new, pool.k_buffer[0], pool.v_buffer[0], loc, *scales, pool.fp8_dtype)
+    kv_indptr, kv_indices = _indices(cache, lens)
+    qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
+    q = torch.randn(sum(new), hq, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
+    extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
+                     dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
+                     fp8_dtype=pool.fp8_dtype, interpret=True)
+    row = 0
+    for i, (p, n) in enumerate(zip(prefix, new)):
+        ref = reference_attention(q[row:row + n], cache.keys[i], cache.values[i], torch.arange(p, p + n),
+                                  dim ** -0.5, window, cap)
+        err = (out[row:row + n].double() - ref).abs().max().item() if n else 0.0
+        assert err <= TOL[dtype], (i, err)
+        row += n
