@@ -105,7 +105,7 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _make_request(self, prompt: Prompt | None, input_ids: Sequence[int] | None, params: ParamsLike,
-                      on_output: Any, stream: bool, return_logprob: bool = False) -> Request:
+                      on_output: Any, stream: bool, return_logprob: bool = False, top_logprobs: int = 0) -> Request:
         if self._closed:
             raise SglxError("this engine was shut down")
         p = SamplingParams.from_any(params)
@@ -134,7 +134,7 @@ class Engine:
             decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
         return Request(uuid.uuid4().hex, ids, p, decoder=decoder, generator=make_generator(seed, self.runner.device),
                        eos_token_ids=self.eos_token_ids, on_output=on_output, stream=stream,
-                       return_logprob=return_logprob)
+                       return_logprob=return_logprob or top_logprobs > 0, top_logprobs_num=max(0, int(top_logprobs)))
 
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None, sampling_params: Any = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -218,10 +218,11 @@ class Engine:
 
     async def generate_stream(self, prompt: Prompt | None = None, sampling_params: ParamsLike = None,
                               input_ids: Sequence[int] | None = None,
-                              return_logprob: bool = False) -> AsyncIterator[dict[str, Any]]:
+                              return_logprob: bool = False, top_logprobs: int = 0) -> AsyncIterator[dict[str, Any]]:
         """Async generator of chunks for one request (the HTTP server's streaming path).
 
         Leaving the loop early (client disconnect, cancellation) aborts the request in the engine.
+        With return_logprob, chunks carry "logprobs" (and "top_logprobs": (id, logprob) pairs) of their tokens.
         """
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[OutputChunk] = asyncio.Queue()
@@ -229,7 +230,7 @@ class Engine:
         def on_output(chunk: OutputChunk) -> None:
             loop.call_soon_threadsafe(q.put_nowait, chunk)
 
-        req = self._make_request(prompt, input_ids, sampling_params, on_output, True, return_logprob)
+        req = self._make_request(prompt, input_ids, sampling_params, on_output, True, return_logprob, top_logprobs)
         self.scheduler.submit(req)
         finished = False
         try:
@@ -290,6 +291,10 @@ def _is_single(prompt: Any, input_ids: Any) -> bool:
 def _chunk_dict(chunk: OutputChunk) -> dict[str, Any]:
     out: dict[str, Any] = {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.token_ids,
                            "finished": chunk.finished, "finish_reason": chunk.finish_reason}
+    if chunk.logprobs is not None:
+        out["logprobs"] = chunk.logprobs
+    if chunk.top_logprobs is not None:
+        out["top_logprobs"] = chunk.top_logprobs
     if chunk.finished:
         out["matched_stop"] = chunk.matched_stop
         out["error"] = chunk.error

@@ -34,13 +34,15 @@ class OutputChunk:
     matched_stop: int | str | None = None
     error: str | None = None
     result: dict[str, Any] | None = None  # the full final output, on the finishing chunk only
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
 
 
 class Request:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
                  decoder: TextDecoder | None = None, generator: torch.Generator | None = None,
                  eos_token_ids: Sequence[int] = (), on_output: Callable[[OutputChunk], Any] | None = None,
-                 stream: bool = False, return_logprob: bool = False) -> None:
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0) -> None:
         self.rid = rid
         self.input_ids = list(input_ids)
         self.params = params
@@ -53,6 +55,8 @@ class Request:
         self.stream = stream
         self.return_logprob = return_logprob  # log-softmax of the raw logits at each chosen token
         self.output_logprobs: list[float] = []
+        self.top_logprobs_num = top_logprobs_num  # also report this many most likely tokens per step
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         # KV bookkeeping
         self.row = 0
         self.kv_len = 0
@@ -167,10 +171,13 @@ class Request:
         end = len(self.text) - self._held_back()
         text = self.text[self._sent_text:end] if end > self._sent_text else ""
         self._sent_text = max(self._sent_text, end)
-        ids = self.output_ids[self._sent_ids:]
+        start = self._sent_ids
+        ids = self.output_ids[start:]
         self._sent_ids = len(self.output_ids)
         return OutputChunk(self.rid, text, ids, self.finished, self.finish_reason, self.matched_stop, self.error,
-                           self.result() if self.finished else None)
+                           self.result() if self.finished else None,
+                           self.output_logprobs[start:] if self.return_logprob else None,
+                           self.output_top_logprobs[start:] if self.top_logprobs_num else None)
 
     # ------------------------------------------------------------------ retraction
 
@@ -196,4 +203,5 @@ class Request:
             "e2e_latency": now - self.created,
             "ttft": (self.first_token_time - self.created) if self.first_token_time else None,
             **({"output_logprobs": list(self.output_logprobs)} if self.return_logprob else {}),
+            **({"output_top_logprobs": list(self.output_top_logprobs)} if self.top_logprobs_num else {}),
         }

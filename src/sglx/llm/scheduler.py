@@ -502,13 +502,21 @@ class Scheduler:
             tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
                             [r.input_ids for r in picked], [r.output_ids for r in picked])
             logprobs = None
+            top: list[list[tuple[int, float]]] | None = None
             if any(r.return_logprob for r in picked):
                 chosen = torch.tensor(tokens, device=rows.device)[:, None]
-                logprobs = torch.log_softmax(rows.float(), dim=-1).gather(1, chosen)[:, 0].tolist()
+                all_logprobs = torch.log_softmax(rows.float(), dim=-1)
+                logprobs = all_logprobs.gather(1, chosen)[:, 0].tolist()
+                k = max(r.top_logprobs_num for r in picked)
+                if k > 0:
+                    values, ids = all_logprobs.topk(min(k, all_logprobs.shape[-1]), dim=-1)
+                    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             for j, (req, token) in enumerate(zip(picked, tokens)):
                 if not req.finished:  # an abort that arrived while the step ran wins
                     if logprobs is not None and req.return_logprob:
                         req.output_logprobs.append(logprobs[j])
+                        if top is not None and req.top_logprobs_num:
+                            req.output_top_logprobs.append(top[j][:req.top_logprobs_num])
                     req.append_token(token)
                 self.stats.generated_tokens += 1
         decoding = set(map(id, decode))
