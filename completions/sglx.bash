@@ -4,7 +4,8 @@
 # subcommands of a command path
 _sglx_subcommands() {
     case "$1" in
-        'sglx') echo 'doctor' ;;
+        'sglx') echo 'doctor generate serve bench' ;;
+        'sglx bench') echo 'serving' ;;
         *) ;;
     esac
 }
@@ -14,6 +15,10 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --help' ;;
+        'sglx bench') echo '--help' ;;
+        'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
         *) ;;
     esac
 }
@@ -22,6 +27,81 @@ _sglx_options() {
 _sglx_nargs() {
     case "$1" in
         'sglx doctor --family') echo '1' ;;
+        'sglx generate --prompt') echo '1' ;;
+        'sglx generate -p') echo '1' ;;
+        'sglx generate --prompts-file') echo '1' ;;
+        'sglx generate --system') echo '1' ;;
+        'sglx generate --max-new-tokens') echo '1' ;;
+        'sglx generate --temperature') echo '1' ;;
+        'sglx generate --top-p') echo '1' ;;
+        'sglx generate --top-k') echo '1' ;;
+        'sglx generate --min-p') echo '1' ;;
+        'sglx generate --repetition-penalty') echo '1' ;;
+        'sglx generate --frequency-penalty') echo '1' ;;
+        'sglx generate --presence-penalty') echo '1' ;;
+        'sglx generate --stop') echo '1' ;;
+        'sglx generate --stop-token-id') echo '1' ;;
+        'sglx generate --seed') echo '1' ;;
+        'sglx generate --model-path') echo '1' ;;
+        'sglx generate --tokenizer-path') echo '1' ;;
+        'sglx generate --load-format') echo '1' ;;
+        'sglx generate --dtype') echo '1' ;;
+        'sglx generate --device') echo '1' ;;
+        'sglx generate --attention-backend') echo '1' ;;
+        'sglx generate --prefill-attention-backend') echo '1' ;;
+        'sglx generate --decode-attention-backend') echo '1' ;;
+        'sglx generate --attention-backend-config') echo '1' ;;
+        'sglx generate --page-size') echo '1' ;;
+        'sglx generate --kv-cache-dtype') echo '1' ;;
+        'sglx generate --mem-fraction-static') echo '1' ;;
+        'sglx generate --max-total-tokens') echo '1' ;;
+        'sglx generate --max-running-requests') echo '1' ;;
+        'sglx generate --chunked-prefill-size') echo '1' ;;
+        'sglx generate --max-prefill-tokens') echo '1' ;;
+        'sglx generate --context-length') echo '1' ;;
+        'sglx generate --random-seed') echo '1' ;;
+        'sglx serve --host') echo '1' ;;
+        'sglx serve --port') echo '1' ;;
+        'sglx serve --api-key') echo '1' ;;
+        'sglx serve --served-model-name') echo '1' ;;
+        'sglx serve --max-request-bytes') echo '1' ;;
+        'sglx serve --log-level') echo '1' ;;
+        'sglx serve --grace-period') echo '1' ;;
+        'sglx serve --model-path') echo '1' ;;
+        'sglx serve --tokenizer-path') echo '1' ;;
+        'sglx serve --load-format') echo '1' ;;
+        'sglx serve --dtype') echo '1' ;;
+        'sglx serve --device') echo '1' ;;
+        'sglx serve --attention-backend') echo '1' ;;
+        'sglx serve --prefill-attention-backend') echo '1' ;;
+        'sglx serve --decode-attention-backend') echo '1' ;;
+        'sglx serve --attention-backend-config') echo '1' ;;
+        'sglx serve --page-size') echo '1' ;;
+        'sglx serve --kv-cache-dtype') echo '1' ;;
+        'sglx serve --mem-fraction-static') echo '1' ;;
+        'sglx serve --max-total-tokens') echo '1' ;;
+        'sglx serve --max-running-requests') echo '1' ;;
+        'sglx serve --chunked-prefill-size') echo '1' ;;
+        'sglx serve --max-prefill-tokens') echo '1' ;;
+        'sglx serve --context-length') echo '1' ;;
+        'sglx serve --random-seed') echo '1' ;;
+        'sglx bench serving --base-url') echo '1' ;;
+        'sglx bench serving --model') echo '1' ;;
+        'sglx bench serving --endpoint') echo '1' ;;
+        'sglx bench serving --num-prompts') echo '1' ;;
+        'sglx bench serving --request-rate') echo '1' ;;
+        'sglx bench serving --max-concurrency') echo '1' ;;
+        'sglx bench serving --random-input-len') echo '1' ;;
+        'sglx bench serving --random-output-len') echo '1' ;;
+        'sglx bench serving --random-range-ratio') echo '1' ;;
+        'sglx bench serving --length-dist') echo '1' ;;
+        'sglx bench serving --prompt-kind') echo '1' ;;
+        'sglx bench serving --tokenizer') echo '1' ;;
+        'sglx bench serving --vocab-size') echo '1' ;;
+        'sglx bench serving --temperature') echo '1' ;;
+        'sglx bench serving --api-key') echo '1' ;;
+        'sglx bench serving --seed') echo '1' ;;
+        'sglx bench serving --output-file') echo '1' ;;
         *) echo '0' ;;
     esac
 }
@@ -30,6 +110,27 @@ _sglx_nargs() {
 _sglx_values() {
     case "$1" in
         'sglx doctor --family') echo 'llm diffusion' ;;
+        'sglx generate --prompts-file') echo '@file' ;;
+        'sglx generate --load-format') echo 'auto safetensors dummy' ;;
+        'sglx generate --dtype') echo 'auto bfloat16 float16 float32' ;;
+        'sglx generate --device') echo 'auto cpu cuda' ;;
+        'sglx generate --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx generate --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx generate --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx generate --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx serve --log-level') echo 'critical error warning info debug' ;;
+        'sglx serve --load-format') echo 'auto safetensors dummy' ;;
+        'sglx serve --dtype') echo 'auto bfloat16 float16 float32' ;;
+        'sglx serve --device') echo 'auto cpu cuda' ;;
+        'sglx serve --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx serve --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx serve --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx serve --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx bench serving --endpoint') echo 'completions chat' ;;
+        'sglx bench serving --length-dist') echo 'uniform normal' ;;
+        'sglx bench serving --prompt-kind') echo 'auto token-ids text' ;;
+        'sglx bench serving --tokenizer') echo '@file' ;;
+        'sglx bench serving --output-file') echo '@file' ;;
         *) ;;
     esac
 }

@@ -15,6 +15,9 @@ _sglx() {
             local -a commands
             commands=(
                 'doctor:Which attention backends work on this machine, why the others don'\''t, and what auto-selection picks.'
+                'generate:Generate text for one or more prompts (default model: the tiny key-value-recall model shipped...'
+                'serve:Serve a model over an OpenAI-compatible HTTP API (default: the tiny model embedded in sglx).'
+                'bench:Benchmarks: serving load against an OpenAI-compatible endpoint.'
             )
             _describe -t commands 'sglx command' commands && ret=0
             ;;
@@ -22,6 +25,9 @@ _sglx() {
             curcontext="${curcontext%:*:*}:sglx-${words[1]}:"
             case ${words[1]} in
                 'doctor') _sglx_doctor ;;
+                'generate') _sglx_generate ;;
+                'serve') _sglx_serve ;;
+                'bench') _sglx_bench ;;
             esac
             ret=$?
             ;;
@@ -34,6 +40,133 @@ _sglx_doctor() {
         '--json[Print the report as JSON.]' \
         '--family=[Only LLM or only diffusion backends.]:family:(llm diffusion)' \
         '--check[Run every usable backend on a small random problem against a float64 reference.]' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_generate() {
+    _arguments -s \
+        '(--prompt -p)--prompt=[Prompt text; repeat for a batch (they run together).]:prompt: ' \
+        '(--prompt -p)-p[Prompt text; repeat for a batch (they run together).]:prompt: ' \
+        '--prompts-file=[One prompt per line ('\''-'\'' = stdin); a .jsonl file holds strings or {"prompt"} / {"messages"}.]:prompts-file:_files' \
+        '--chat[Wrap each prompt as a user message and apply the model'\''s chat template.]' \
+        '--system=[System message for --chat.]:system: ' \
+        '--json[Print one JSON object per prompt (no streaming).]' \
+        '--max-new-tokens=[Most tokens to generate per prompt.]:max-new-tokens: ' \
+        '--temperature=[0 = greedy (the default here); > 0 samples.]:temperature: ' \
+        '--top-p=[]:top-p: ' \
+        '--top-k=[-1 = off.]:top-k: ' \
+        '--min-p=[]:min-p: ' \
+        '--repetition-penalty=[]:repetition-penalty: ' \
+        '--frequency-penalty=[]:frequency-penalty: ' \
+        '--presence-penalty=[]:presence-penalty: ' \
+        '--stop=[Stop string (repeatable); not included in the output.]:stop: ' \
+        '--stop-token-id=[Stop token id (repeatable).]:stop-token-id: ' \
+        '--ignore-eos[Keep generating past EOS.]' \
+        '--seed=[Sampling seed (same seed, same text).]:seed: ' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
+        '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
+        '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
+        '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
+        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
+        '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
+        '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
+        '--chunked-prefill-size=[Split prompts into prefill chunks of this many tokens (default 8192; -1 disables).]:chunked-prefill-size: ' \
+        '--max-prefill-tokens=[Token budget of one prefill batch.]:max-prefill-tokens: ' \
+        '--enable-mixed-chunk[Run running decodes in the same step as a prefill chunk (MIXED steps).]' \
+        '--disable-radix-cache[Turn off prefix caching.]' \
+        '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
+        '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_serve() {
+    _arguments -s \
+        '--host=[Address to bind; loopback unless told otherwise (0.0.0.0 serves the whole network).]:host: ' \
+        '--port=[TCP port.]:port: ' \
+        '--api-key=[Require '\''Authorization: Bearer <key>'\'' on every route but /health.]:api-key: ' \
+        '--served-model-name=[Model id in the API (default: the model directory'\''s name).]:served-model-name: ' \
+        '--max-request-bytes=[Larger request bodies are refused with 413.]:max-request-bytes: ' \
+        '--log-level=[Server log level.]:log-level:(critical error warning info debug)' \
+        '--grace-period=[Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.]:grace-period: ' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
+        '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
+        '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
+        '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
+        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
+        '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
+        '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
+        '--chunked-prefill-size=[Split prompts into prefill chunks of this many tokens (default 8192; -1 disables).]:chunked-prefill-size: ' \
+        '--max-prefill-tokens=[Token budget of one prefill batch.]:max-prefill-tokens: ' \
+        '--enable-mixed-chunk[Run running decodes in the same step as a prefill chunk (MIXED steps).]' \
+        '--disable-radix-cache[Turn off prefix caching.]' \
+        '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
+        '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_bench() {
+    local curcontext="$curcontext" state state_descr line ret=1
+    typeset -A opt_args
+    _arguments -C -s \
+        '--help[Show this message and exit.]' \
+        '1:command:->command' \
+        '*::argument:->argument' && ret=0
+    case $state in
+        command)
+            local -a commands
+            commands=(
+                'serving:Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, median,...'
+            )
+            _describe -t commands 'sglx bench command' commands && ret=0
+            ;;
+        argument)
+            curcontext="${curcontext%:*:*}:sglx-bench-${words[1]}:"
+            case ${words[1]} in
+                'serving') _sglx_bench_serving ;;
+            esac
+            ret=$?
+            ;;
+    esac
+    return ret
+}
+
+_sglx_bench_serving() {
+    _arguments -s \
+        '--base-url=[Server root (ours or any OpenAI-compatible one).]:base-url: ' \
+        '--model=[Model id (default: the server'\''s first /v1/models).]:model: ' \
+        '--endpoint=[/v1/completions or /v1/chat/completions.]:endpoint:(completions chat)' \
+        '--num-prompts=[Requests to send.]:num-prompts: ' \
+        '--request-rate=[Requests per second, Poisson arrivals (default inf: all at once).]:request-rate: ' \
+        '--max-concurrency=[Most requests in flight at once.]:max-concurrency: ' \
+        '--random-input-len=[Longest prompt, in tokens.]:random-input-len: ' \
+        '--random-output-len=[Longest output (max_tokens).]:random-output-len: ' \
+        '--random-range-ratio=[Lengths lie in \[ratio * len, len\]; 1.0 = all the same.]:random-range-ratio: ' \
+        '--length-dist=[How lengths spread over that range.]:length-dist:(uniform normal)' \
+        '--prompt-kind=[token-ids (exact lengths; vocabulary from sglx'\''s /server_info or --vocab-size), text (from --toke...]:prompt-kind:(auto token-ids text)' \
+        '--tokenizer=[HF tokenizer directory for text prompts.]:tokenizer:_files' \
+        '--vocab-size=[Vocabulary size for token-id prompts.]:vocab-size: ' \
+        '(--ignore-eos --no-ignore-eos)--ignore-eos[Ask for exactly max_tokens (vLLM/SGLang extension).]' \
+        '(--ignore-eos --no-ignore-eos)--no-ignore-eos[Ask for exactly max_tokens (vLLM/SGLang extension).]' \
+        '--temperature=[]:temperature: ' \
+        '--api-key=[Sent as '\''Authorization: Bearer <key>'\''.]:api-key: ' \
+        '--seed=[Seed of prompts, lengths and arrival times.]:seed: ' \
+        '--json[Print the report as JSON instead of a table.]' \
+        '--output-file=[Also write the JSON report here.]:output-file:_files' \
+        '--disable-progress[No progress bar.]' \
         '--help[Show this message and exit.]'
 }
 

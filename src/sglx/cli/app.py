@@ -5,8 +5,10 @@ from __future__ import annotations
 import typer
 
 from sglx import __version__
+from sglx.cli.bench import bench_app
 from sglx.cli.doctor import doctor
 from sglx.cli.generate import generate
+from sglx.cli.serve import serve
 
 app = typer.Typer(
     name="sglx",
@@ -33,6 +35,8 @@ def _root(
 
 app.command(name="doctor")(doctor)
 app.command(name="generate")(generate)
+app.command(name="serve")(serve)
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `sglx bench`: serving load (serving.py); attention and one-batch join later."""

@@ -1,0 +1,53 @@
+"""`sglx serve`: argument handling only; the server is sglx.server's, the engine sglx.Engine's."""
+
+from __future__ import annotations
+
+import enum
+
+import typer
+
+from sglx.cli.engine_options import with_engine_options
+from sglx.errors import SglxError
+from sglx.llm.engine_config import EngineConfig
+from sglx.server.config import DEFAULT_MAX_REQUEST_BYTES, LOG_LEVELS, ServerConfig
+
+SERVER = "Server options"
+LogLevel = enum.Enum("LogLevel", {name: name for name in LOG_LEVELS}, type=str)  # type: ignore[misc]
+
+
+@with_engine_options
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback unless told otherwise "
+                                                         "(0.0.0.0 serves the whole network).", rich_help_panel=SERVER),
+    port: int = typer.Option(30000, "--port", help="TCP port.", rich_help_panel=SERVER),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="SGLX_API_KEY", show_envvar=True,
+                                       help="Require 'Authorization: Bearer <key>' on every route but /health.",
+                                       rich_help_panel=SERVER),
+    served_model_name: str | None = typer.Option(None, "--served-model-name",
+                                                 help="Model id in the API (default: the model directory's name).",
+                                                 rich_help_panel=SERVER),
+    max_request_bytes: int = typer.Option(DEFAULT_MAX_REQUEST_BYTES, "--max-request-bytes",
+                                          help="Larger request bodies are refused with 413.", rich_help_panel=SERVER),
+    log_level: LogLevel = typer.Option("info", "--log-level", case_sensitive=False, help="Server log level.",
+                                       rich_help_panel=SERVER),
+    grace_period: float = typer.Option(10.0, "--grace-period", help="Seconds in-flight requests get to finish "
+                                                                    "after SIGINT/SIGTERM before they are aborted.",
+                                       rich_help_panel=SERVER),
+    engine_config: EngineConfig = None,  # type: ignore[assignment]  # filled by @with_engine_options
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (default: the tiny model embedded in sglx)."""
+    from sglx.server.runner import run_server
+
+    try:
+        config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                              max_request_bytes=max_request_bytes, log_level=LogLevel(log_level).value,
+                              grace_period=grace_period)
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        code = run_server(engine_config, config)
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)

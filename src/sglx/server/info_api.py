@@ -1,0 +1,73 @@
+"""GET /health, /v1/models, /server_info, /metrics and POST /flush_cache: what runs and how loaded it is."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from sglx import __version__
+from sglx.server.engine_state import engine_load, kv_pool_info, metric_gauges
+from sglx.server.state import ServerState
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.sglx
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.stopping or not state.engine.scheduler.alive:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglx",
+        "root": str(state.engine.runner.model_path), "max_model_len": state.engine.runner.memory.context_length}]})
+
+
+def attention_summary(info: dict[str, Any]) -> dict[str, Any]:
+    return {"prefill": info["prefill_attention_backend"], "decode": info["decode_attention_backend"],
+            "selection": info["selection"], "why": info["why"], "page_size": info["page_size"],
+            "kv_cache_dtype": info["kv_cache_dtype"]}
+
+
+async def server_info(request: Request) -> Response:
+    state = _state(request)
+    engine = state.engine
+    load = await asyncio.to_thread(engine_load, engine)
+    info = engine.info
+    cfg = state.config
+    return JSONResponse({
+        "version": __version__,
+        "served_model_name": state.model_name,
+        "model_path": str(info["model_path"]),
+        "architecture": info["architecture"],
+        "vocab_size": engine.model_config.vocab_size,
+        "attention": attention_summary(info),
+        "engine": info,
+        "engine_config": engine.config.to_dict(),
+        "kv_pool": kv_pool_info(load),
+        "scheduler": {"running_requests": load["running_requests"], "queued_requests": load["queued_requests"]},
+        "server": {"host": cfg.host, "port": cfg.port, "max_request_bytes": cfg.max_request_bytes,
+                   "api_key_required": cfg.api_key is not None, "grace_period": cfg.grace_period,
+                   "log_level": cfg.log_level},
+    })
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    load = await asyncio.to_thread(engine_load, state.engine)
+    return PlainTextResponse(state.metrics.render(metric_gauges(load)), media_type="text/plain; version=0.0.4")
+
+
+async def flush_cache(request: Request) -> Response:
+    """Evict every unused cached prefix (SGLang's /flush_cache); answers the free KV slots afterwards."""
+    state = _state(request)
+    free = await asyncio.to_thread(state.engine.flush_cache)
+    return JSONResponse({"kv_free": free})

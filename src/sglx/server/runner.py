@@ -1,0 +1,90 @@
+"""Start the engine, print what attention backends run and why, serve with uvicorn, stop cleanly.
+
+SIGINT/SIGTERM: uvicorn stops accepting connections, gives in-flight requests `grace_period`
+seconds, then cancels the rest (which aborts their engine requests); the engine is shut down and the
+process exits 0. uvicorn itself would re-raise the signal after shutting down (exit 143/130); a
+graceful stop is a success here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from sglx.llm.engine_config import EngineConfig
+from sglx.server.config import ServerConfig
+
+log = logging.getLogger("sglx.server")
+
+
+def startup_lines(info: dict[str, Any], model_name: str, config: ServerConfig) -> list[str]:
+    """The banner: served model, attention backend(s) per phase and why they were chosen, KV pool."""
+    prefill, decode = info["prefill_attention_backend"], info["decode_attention_backend"]
+    backends = prefill if prefill == decode else f"prefill {prefill}, decode {decode}"
+    return [
+        f"[sglx] model {model_name} ({info['model_path']}), {info['architecture']}, {info['device']} {info['dtype']}",
+        f"[sglx] attention backend: {backends} (selection: {info['selection']}; why: {info['why']})",
+        f"[sglx] page size {info['page_size']}, KV cache {info['kv_cache_dtype']}, KV pool "
+        f"{info['max_total_tokens']} tokens, context {info['context_length']}, max running requests "
+        f"{info['max_running_requests']}",
+        f"[sglx] serving on http://{config.host}:{config.port} (OpenAI API under /v1"
+        f"{', API key required' if config.api_key else ''})",
+    ]
+
+
+def _graceful_server_class() -> Any:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn.Server that handles SIGINT/SIGTERM but does not re-raise them after shutting down."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state = getattr(self.config.app, "state", None)
+            if state is not None and hasattr(state, "sglx"):
+                state.sglx.stopping = True  # /health answers 503 while draining
+            super().handle_exit(sig, frame)
+
+    return GracefulServer
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
+    import uvicorn
+
+    from sglx.llm.engine import Engine
+    from sglx.server.app import create_app
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(engine_config)
+    try:
+        app = create_app(engine, config)
+        for line in startup_lines(engine.info, app.state.sglx.model_name, config):
+            print(line, file=sys.stderr, flush=True)
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                   timeout_graceful_shutdown=config.grace_period, lifespan="off",
+                                   access_log=config.log_level == "debug")
+        server = _graceful_server_class()(uv_config)
+        server.run()
+        if not server.started:
+            return 1  # e.g. the port is taken: uvicorn has logged why
+        print("[sglx] server stopped", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        engine.shutdown()
