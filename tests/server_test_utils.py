@@ -49,6 +49,7 @@ class ServerProcess:
         env.pop("SGLX_API_KEY", None)
         self.args = [sys.executable, "-m", "sglx", "serve", "--model-path", str(model), "--port", str(self.port),
                      *ENGINE_ARGS, *extra]
+        self.signalled = False
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
@@ -68,9 +69,15 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"sglx serve did not become healthy in {timeout}s:\n{self.log()}")
 
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send a signal once; stop() then only waits (a second SIGTERM would kill a server that is draining)."""
+        self.signalled = True
+        self.proc.send_signal(sig)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if not self.signalled:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

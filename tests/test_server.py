@@ -317,7 +317,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero(model: Path, tmp_path:
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 2:
-                        proc.proc.send_signal(signal.SIGTERM)  # mid-stream
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
 
     read_stream()
     assert proc.stop(timeout=60) == 0, proc.log()
@@ -325,3 +325,40 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero(model: Path, tmp_path:
     streamed = [json.loads(e) for e in events[:-1]]
     assert streamed[-1]["choices"][0]["finish_reason"] == "length"  # finished within the grace period
     assert "server stopped" in proc.log()
+
+
+def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_zero(model: Path, tmp_path: Path) -> None:
+    proc = start_server(model, tmp_path, "--grace-period", "1", "--max-running-requests", "1")
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+    async def streams() -> list[list[str]]:
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as c:
+            async def one() -> list[str]:
+                events: list[str] = []
+                try:
+                    async with c.stream("POST", "/v1/completions", json=body) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:])
+                except httpx.HTTPError:
+                    pass  # the server closed the connection mid-stream
+                return events
+
+            async def stop_soon() -> None:
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+
+            results = await asyncio.gather(*(one() for _ in range(6)), stop_soon())
+            return results[:6]  # type: ignore[return-value]
+
+    started = time.monotonic()
+    results = asyncio.run(streams())
+    assert proc.stop(timeout=60) == 0, proc.log()
+    assert time.monotonic() - started < 30  # 6 x 500 tokens one at a time would take longer than the grace
+    cut = [r for r in results if not r or r[-1] != "[DONE]"]
+    assert cut, "some streams must have been aborted at the end of the grace period"
+    for events in cut:  # each got an error event saying why, and a clean end of stream
+        assert "server shut down" in json.loads(events[-1])["error"]["message"], events[-3:]
+    log = proc.log()
+    assert "Traceback" not in log and "Exception in ASGI" not in log and "server stopped" in log
+    assert "shutdown grace period ran out" in log

@@ -6,7 +6,10 @@ work, the HTTP event loop only validates, submits and streams.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +21,12 @@ from sglx.llm.engine import Engine
 from sglx.server import info_api, native_api, openai_api
 from sglx.server.config import ServerConfig
 from sglx.server.errors import APIError, error_response
-from sglx.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestCountMiddleware
+from sglx.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    QuietShutdownMiddleware,
+    RequestCountMiddleware,
+)
 from sglx.server.state import ServerState
 
 log = logging.getLogger("sglx.server")
@@ -35,10 +43,24 @@ ROUTES = (
 )
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig | None = None, shutdown_engine: bool = False) -> FastAPI:
+    """The app over a running engine; with shutdown_engine, the app's shutdown also stops the engine.
+
+    Stopping it there (uvicorn's lifespan shutdown, after in-flight requests finished or were cancelled)
+    keeps the event loop open while the scheduler hands back the last chunks of aborted requests.
+    """
     config = config or ServerConfig()
     state = ServerState(engine, config)
-    app = FastAPI(title="sglx", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.stopping = True
+        if shutdown_engine:
+            await asyncio.sleep(0.05)  # let cancelled requests unwind and queue their aborts first
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="sglx", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.sglx = state
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
@@ -75,4 +97,5 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=state.metrics, routes=lambda: paths)
+    app.add_middleware(QuietShutdownMiddleware, stopping=lambda: state.stopping)
     return app

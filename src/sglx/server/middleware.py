@@ -6,8 +6,10 @@ through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -19,6 +21,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("sglx.server")
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancer probes)
 
@@ -123,3 +127,43 @@ class RequestCountMiddleware:
         finally:
             self.metrics.in_flight -= 1
             self.metrics.http_requests[(scope.get("method", ""), route, status[0])] += 1
+
+
+class QuietShutdownMiddleware:
+    """Ends a request cancelled because the grace period after SIGINT/SIGTERM ran out, with an error.
+
+    Its engine request was aborted on the way out. The client gets a 503 (or, mid-stream, an SSE error
+    event and the end of the stream) instead of a cut connection, and the log one line, not a traceback.
+    """
+
+    def __init__(self, app: ASGIApp, stopping: Callable[[], bool]) -> None:
+        self.app = app
+        self.stopping = stopping
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, completed, sse = [False], [False], [False]
+
+        async def tracking_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+                sse[0] = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                completed[0] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not self.stopping():
+                raise
+            log.warning("aborted %s %s: the shutdown grace period ran out", scope.get("method"), scope.get("path"))
+            err = APIError(503, "the server shut down before this request finished", code="server_shutdown")
+            if not started[0]:
+                await send_error(send, err)
+            elif not completed[0]:
+                body = f"data: {json.dumps(err.body())}\n\n".encode() if sse[0] else b""
+                await send({"type": "http.response.body", "body": body, "more_body": False})

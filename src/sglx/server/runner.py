@@ -74,11 +74,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(engine_config)
     try:
-        app = create_app(engine, config)
+        app = create_app(engine, config, shutdown_engine=True)
         for line in startup_lines(engine.info, app.state.sglx.model_name, config):
             print(line, file=sys.stderr, flush=True)
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                   timeout_graceful_shutdown=config.grace_period, lifespan="off",
+                                   timeout_graceful_shutdown=config.grace_period, lifespan="on",
                                    access_log=config.log_level == "debug")
         server = _graceful_server_class()(uv_config)
         server.run()
