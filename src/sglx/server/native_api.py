@@ -13,16 +13,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sglx.llm.sampling import SamplingParams
 from sglx.server.errors import APIError
 from sglx.server.generation import Choice, run_choices, until_disconnect
 from sglx.server.logprobs import token_text
-from sglx.server.openai_api import SSE_HEADERS
 from sglx.server.prompts import check_ids, check_length, encode_text
 from sglx.server.protocol import GenerateRequest
 from sglx.server.request_body import parse_body
+from sglx.server.sse import SSEResponse
 from sglx.server.state import ServerState, engine_failure
 
 
@@ -65,8 +65,7 @@ async def generate(request: Request) -> Response:
     choices = [Choice(i, i, ids, sampling, logprobs=req.return_logprob or req.top_logprobs_num > 0,
                       top_logprobs=req.top_logprobs_num) for i, ids in enumerate(prompts)]
     if req.stream:
-        return StreamingResponse(_stream(state, choices[0], arrival), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return SSEResponse(_stream(state, choices[0], arrival))
 
     async def collect() -> list[dict[str, Any]]:
         results: dict[int, dict[str, Any]] = {}

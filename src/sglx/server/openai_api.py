@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sglx.llm.sampling import SamplingParams
 from sglx.server.errors import APIError
@@ -22,10 +22,10 @@ from sglx.server.logprobs import CompletionLogprobs, chat_logprobs, merge_comple
 from sglx.server.prompts import check_ids, check_length, encode_chat, encode_text
 from sglx.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sglx.server.request_body import parse_body
+from sglx.server.sse import SSEResponse
 from sglx.server.state import ServerState, engine_failure
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sampling_params(req: SamplingFields, max_new_tokens: int, choice: int) -> SamplingParams:
@@ -111,9 +111,8 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream_completion(state, choices, arrival, rid, created, prompt_tokens,
-                                                    include_usage, req.logprobs or 0),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(_stream_completion(state, choices, arrival, rid, created, prompt_tokens,
+                                                    include_usage, req.logprobs or 0))
     results = await until_disconnect(request.receive, _collect(state, choices, arrival))
     out_choices = []
     for c in choices:
@@ -180,8 +179,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream_chat(state, choices, arrival, rid, created, len(ids), include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(_stream_chat(state, choices, arrival, rid, created, len(ids), include_usage))
     results = await until_disconnect(request.receive, _collect(state, choices, arrival))
     out_choices = []
     for c in choices:
