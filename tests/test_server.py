@@ -108,6 +108,42 @@ def test_greedy_completion_equals_sglx_generate(client: openai.OpenAI, model: Pa
     assert native["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_every_sampling_parameter_reaches_the_engine(client: openai.OpenAI, model: Path, model_name: str,
+                                                      server: ServerProcess) -> None:
+    """A seeded sample with every knob set equals `sglx generate` with the same flags (and differs without them)."""
+    knobs = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "repetition_penalty": 1.3,
+             "frequency_penalty": 0.5, "presence_penalty": 0.4, "seed": 11}
+    flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    ref = sglx_generate(model, "--prompt", FREE_PROMPT, "--max-new-tokens", "16", "--ignore-eos", *flags)
+    out = client.completions.create(model=model_name, prompt=FREE_PROMPT, max_tokens=16,
+                                    temperature=knobs["temperature"], top_p=knobs["top_p"], seed=knobs["seed"],
+                                    frequency_penalty=knobs["frequency_penalty"],
+                                    presence_penalty=knobs["presence_penalty"],
+                                    extra_body={"ignore_eos": True, "top_k": knobs["top_k"], "min_p": knobs["min_p"],
+                                                "repetition_penalty": knobs["repetition_penalty"]})
+    assert out.choices[0].text == ref["text"]
+    native = httpx.post(f"{server.base_url}/generate", json={
+        "text": FREE_PROMPT, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, **knobs}}).json()
+    assert native["output_ids"] == ref["output_ids"]
+    plain = httpx.post(f"{server.base_url}/generate", json={
+        "text": FREE_PROMPT, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0.8,
+                                                 "seed": 11}}).json()
+    assert plain["output_ids"] != ref["output_ids"]  # the knobs changed the sample
+
+
+def test_batched_prompts_and_n(client: openai.OpenAI, model_name: str) -> None:
+    single = [client.completions.create(model=model_name, prompt=p, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}) for p in (PROMPT, CHAT_TEXT)]
+    both = client.completions.create(model=model_name, prompt=[PROMPT, CHAT_TEXT], max_tokens=6, temperature=0, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [single[0].choices[0].text] * 2 + [single[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == single[0].usage.prompt_tokens + single[1].usage.prompt_tokens
+    assert both.usage.completion_tokens == 24
+    default = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
+
+
 def test_greedy_chat_equals_sglx_generate_chat(client: openai.OpenAI, model: Path, model_name: str) -> None:
     ref = sglx_generate(model, "--prompt", CHAT_TEXT, "--chat", "--max-new-tokens", "10", "--ignore-eos")
     out = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": CHAT_TEXT}],
