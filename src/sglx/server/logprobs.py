@@ -35,7 +35,12 @@ class CompletionLogprobs:
             self.offset += len(text)
         top_logprobs = None
         if self.top and tops is not None:
-            top_logprobs = [{token_text(self.engine, t): lp for t, lp in step} for step in tops]
+            top_logprobs = []
+            for step in tops:  # best first; tokens that decode alike (partial UTF-8) keep the best value
+                entry: dict[str, float] = {}
+                for t, lp in step:
+                    entry.setdefault(token_text(self.engine, t), lp)
+                top_logprobs.append(entry)
         return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 

@@ -92,7 +92,7 @@ async def _stream(state: ServerState, choice: Choice, arrival: float) -> AsyncIt
             if chunk["finished"]:
                 meta = _meta(state, chunk["result"], choice)
                 text = chunk["result"]["text"]
-            yield f"data: {json.dumps({'text': text, 'output_ids': ids, 'meta_info': meta}, ensure_ascii=False)}\n\n"
+            yield f"data: {json.dumps({'text': text, 'output_ids': ids, 'meta_info': meta})}\n\n"
     except Exception as exc:  # noqa: BLE001 - reported in the stream; the HTTP status was already sent
         state.log_stream_error(exc)
         err = exc if isinstance(exc, APIError) else engine_failure(f"{type(exc).__name__}: {exc}")

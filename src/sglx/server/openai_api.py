@@ -53,7 +53,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data)}\n\n"
 
 
 def _finish(result: dict[str, Any]) -> str:
