@@ -1,6 +1,5 @@
-"""The OpenAI-compatible HTTP server behind `sglx serve`: routes, request schemas, auth, metrics, lifecycle."""
+"""The OpenAI-compatible HTTP server behind `sglx serve`: routes, request schemas, auth, metrics, lifecycle.
 
-from sglx.server.app import create_app
-from sglx.server.config import ServerConfig
-
-__all__ = ["ServerConfig", "create_app"]
+Nothing is imported here eagerly: the CLI imports `sglx.server.config` at start-up, and FastAPI should
+load only when a server actually starts.
+"""
