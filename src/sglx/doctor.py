@@ -167,7 +167,7 @@ def _auto_text(section: dict[str, Any]) -> str:
 
 def _checks_table(section: dict[str, Any]) -> Table:
     table = Table(title=f"{section['title']}: --check", title_justify="left")
-    for col in ("backend", "result", "max |err|", "time (ms)", "problem / error"):
+    for col in ("backend", "result", "max |err|", "time (ms, warm)", "problem / error"):
         table.add_column(col)
     for r in section["checks"]:
         color = {"pass": "green", "fail": "red", "broken": "red"}[r["status"]]
