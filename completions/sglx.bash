@@ -15,8 +15,8 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
         *) ;;
@@ -60,6 +60,7 @@ _sglx_nargs() {
         'sglx generate --max-prefill-tokens') echo '1' ;;
         'sglx generate --context-length') echo '1' ;;
         'sglx generate --random-seed') echo '1' ;;
+        'sglx generate --cuda-graph-max-bs') echo '1' ;;
         'sglx serve --host') echo '1' ;;
         'sglx serve --port') echo '1' ;;
         'sglx serve --api-key') echo '1' ;;
@@ -85,6 +86,7 @@ _sglx_nargs() {
         'sglx serve --max-prefill-tokens') echo '1' ;;
         'sglx serve --context-length') echo '1' ;;
         'sglx serve --random-seed') echo '1' ;;
+        'sglx serve --cuda-graph-max-bs') echo '1' ;;
         'sglx bench serving --base-url') echo '1' ;;
         'sglx bench serving --model') echo '1' ;;
         'sglx bench serving --endpoint') echo '1' ;;

@@ -83,6 +83,8 @@ _sglx_generate() {
         '--disable-radix-cache[Turn off prefix caching.]' \
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
+        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--help[Show this message and exit.]'
 }
 
@@ -115,6 +117,8 @@ _sglx_serve() {
         '--disable-radix-cache[Turn off prefix caching.]' \
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
+        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--help[Show this message and exit.]'
 }
 

@@ -18,8 +18,9 @@ def test_registry_declares_what_the_triton_backend_implements():
     spec = find("triton", "llm", "mha")
     assert spec is not None and spec.factory == "sglx.attention.llm.triton:TritonBackend"
     feats = spec.features
-    assert feats.native_paging and feats.fp8_kv and feats.sliding_window
-    assert not (feats.fp4_kv or feats.spec_topk1 or feats.spec_topk_gt1 or feats.multimodal or feats.cuda_graph)
+    assert feats.native_paging and feats.fp8_kv and feats.sliding_window and feats.cuda_graph
+    assert not (feats.fp4_kv or feats.spec_topk1 or feats.spec_topk_gt1 or feats.multimodal)
+    assert spec.load().supports_cuda_graph  # the declaration and the implementation agree
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

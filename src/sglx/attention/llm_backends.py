@@ -54,10 +54,10 @@ register(BackendSpec(
     summary="Portable Triton kernels (split-KV decode, extend); runs on any CUDA or ROCm GPU.",
     requires=(OnPlatform(("cuda", "rocm", "xpu")), Package(("triton",))),
     features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=True, multimodal=False, cuda_graph=False),
+                         sliding_window=True, multimodal=False, cuda_graph=True),
     factory="sglx.attention.llm.triton:TritonBackend",
     notes="sglx's own kernels: any page size through kv_indices, fp8 KV with per-tensor scales, logit soft-cap; "
-          "CUDA graphs not yet.",
+          "decode runs in CUDA graphs.",
 ))
 
 register(BackendSpec(

@@ -113,6 +113,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "Longest sequence (prompt + output); default: the model's max_position_embeddings."),
     EngineFlag("seed", "--random-seed", int, 0,
                "Seed for dummy weights and for sampling of requests that give no seed of their own."),
+    EngineFlag("cuda_graph_max_bs", "--cuda-graph-max-bs", int | None, None,
+               "Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; "
+               "default 160, at most --max-running-requests). Larger batches run eagerly."),
+    EngineFlag("disable_cuda_graph", "--disable-cuda-graph", bool, False,
+               "Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a "
+               "decode backend that supports them, e.g. triton)."),
 )
 
 

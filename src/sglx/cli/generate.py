@@ -115,15 +115,18 @@ def _run(config: EngineConfig, prompts: list[Any], params: Any, json_output: boo
         info = engine.info
         backends = {"prefill": info["prefill_attention_backend"], "decode": info["decode_attention_backend"],
                     "page_size": info["page_size"], "kv_cache_dtype": info["kv_cache_dtype"],
-                    "selection": info["selection"]}
+                    "selection": info["selection"], "cuda_graph": info["cuda_graph"],
+                    "cuda_graph_why": info["cuda_graph_why"]}
         if json_output:
             results = engine.generate(prompts, params)
             for p, r in zip(prompts, results):  # type: ignore[arg-type]
                 typer.echo(json.dumps({"prompt": p, **_public(r), "attention_backend": backends,
                                        "model_path": info["model_path"]}, ensure_ascii=False))
             return
+        graphs = (f"CUDA graphs: bs <= {info['cuda_graph_max_bs']}" if info["cuda_graph"]
+                  else f"CUDA graphs off ({info['cuda_graph_why']})")
         typer.echo(f"[sglx] {info['model_path']} | attention: {info['attention_backend']} | "
-                   f"page size {info['page_size']} | {info['device']} {info['dtype']}", err=True)
+                   f"page size {info['page_size']} | {info['device']} {info['dtype']} | {graphs}", err=True)
         streams = [engine.stream(p, params) for p in prompts]  # submitted together: one batch
         for i, (p, chunks) in enumerate(zip(prompts, streams)):
             if len(prompts) > 1:

@@ -3,7 +3,9 @@
 Selection happens before weights load, so an impossible `--attention-backend` fails in a second, not
 after minutes of loading. The KV pool is sized from `--max-total-tokens`, else on a GPU from
 `--mem-fraction-static` of device memory (what is left after the weights), else on the CPU from a
-share of free RAM capped at a few context lengths.
+share of free RAM capped at a few context lengths. On a CUDA GPU with a decode backend that supports
+it, decode steps replay CUDA graphs captured at start-up (`cuda_graph_runner.py`); `cuda_graph`
+says whether they do and why not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sglx.attention.llm.base import AttentionBackend, BackendContext
 from sglx.attention.registry import find
 from sglx.attention.selection import LLMBackendArgs, LLMSelection, select_llm
 from sglx.errors import SglxError
+from sglx.llm.cuda_graph_runner import CudaGraphPlan, CudaGraphRunner, cuda_graph_plan
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
@@ -105,6 +108,14 @@ class ModelRunner:
         self.token_kv_pool = TokenKVPool(self.memory.num_slots, self.page_size, mc.num_layers, mc.num_kv_heads,
                                          mc.head_dim, self.dtype, config.kv_cache_dtype, self.device)
         self.backend = self._build_backend()
+        self.cuda_graph: CudaGraphPlan = cuda_graph_plan(
+            self.device, self.selection.decode, bool(self.backend.supports_cuda_graph), config.disable_cuda_graph,
+            config.cuda_graph_max_bs, self.memory.max_running_requests)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.cuda_graph.enabled:
+            self.graph_runner = CudaGraphRunner(self, self.cuda_graph)
+        else:
+            log.info("CUDA graphs off: %s", self.cuda_graph.why)
 
     # ------------------------------------------------------------------ setup
 
@@ -193,6 +204,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (every token if return_all_logits)."""
         batch.attn_backend = self.backend
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)
         return self.model(batch).float()
 
@@ -200,7 +213,7 @@ class ModelRunner:
         """Free weights, KV pools and backend state (the runner is unusable afterwards)."""
         import gc
 
-        for name in ("model", "backend", "token_kv_pool", "req_to_token_pool"):
+        for name in ("graph_runner", "model", "backend", "token_kv_pool", "req_to_token_pool"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
@@ -222,4 +235,7 @@ class ModelRunner:
             "max_total_tokens": self.memory.num_slots,
             "max_running_requests": self.memory.max_running_requests,
             "context_length": self.memory.context_length,
+            "cuda_graph": self.cuda_graph.enabled,
+            "cuda_graph_max_bs": self.cuda_graph.max_bs if self.cuda_graph.enabled else None,
+            "cuda_graph_why": self.cuda_graph.why,
         }

@@ -3,8 +3,10 @@
 Per step it builds CSR `kv_indptr`/`kv_indices` on the device (one Triton launch) and sizes the
 decode split scratch once; every layer reuses them. K/V of the step are stored by a Triton kernel
 before attention, and attention reads every key from the pool, so results equal `torch_native`'s
-(fp8 KV included). Not CUDA-graph capturable yet: the graph hooks will fill static copies of the
-same metadata (see `_Metadata`), which is why nothing here reads device values back to the host.
+(fp8 KV included). Decode is CUDA-graph capturable: the graph hooks fill static copies of the same
+metadata (`_GraphState`), and nothing here reads device values back to the host. A captured graph
+fixes the decode grid, so its number of KV splits is chosen for the longest possible context; each
+request still splits only its own length (short requests leave the extra programs idle).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sglx.llm.forward_batch import ForwardBatch
 
 @dataclass
 class _Metadata:
-    """One step's plan; the future CUDA-graph state holds static buffers of the same fields."""
+    """One step's plan; under CUDA graphs its tensors are views of `_GraphState`'s static buffers."""
 
     kv_indptr: torch.Tensor  # [bs + 1] int32
     kv_indices: torch.Tensor  # [sum(seq_lens)] int32 slots
@@ -35,9 +37,21 @@ class _Metadata:
     mid_lse: torch.Tensor | None = None  # decode: [bs, Hq, splits] float32
 
 
+@dataclass
+class _GraphState:
+    """Static decode metadata for every captured batch size: addresses a graph keeps between replays."""
+
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32
+    kv_indices: torch.Tensor  # [max_bs * max_context] int32
+    mid_o: torch.Tensor  # flat float32 scratch, viewed per bucket as [bs, Hq, splits, Dv]
+    mid_lse: torch.Tensor  # flat float32 scratch, viewed per bucket as [bs, Hq, splits]
+    max_context: int
+    metas: dict[int, _Metadata]
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
-    supports_cuda_graph = False
+    supports_cuda_graph = True
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -51,6 +65,7 @@ class TritonBackend(AttentionBackend):
         self.extend_config = ExtendConfig()
         self.v_head_dim = ctx.token_kv_pool.v_head_dim
         self.meta: _Metadata | None = None
+        self.graph: _GraphState | None = None
 
     # ------------------------------------------------------------------ metadata
     def _indices(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +96,52 @@ class TritonBackend(AttentionBackend):
             meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.ctx.device)
             meta.max_extend_len = max(lens, default=0)
         self.meta = meta
+
+    # ------------------------------------------------------------------ CUDA graphs (decode only)
+    def _graph_splits(self, bs: int, max_context: int) -> int:
+        return choose_num_kv_splits(bs, self.ctx.num_kv_heads, max_context, num_sms(self.ctx.device),
+                                    self.decode_config)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        device = self.ctx.device
+        max_context = self.ctx.req_to_token_pool.max_context_len
+        rows = max(bs * self._graph_splits(bs, max_context) for bs in range(1, max_bs + 1))
+        hq = self.ctx.num_q_heads
+        self.graph = _GraphState(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(max_bs * max_context, dtype=torch.int32, device=device),
+            mid_o=torch.empty(rows * hq * self.v_head_dim, dtype=torch.float32, device=device),
+            mid_lse=torch.empty(rows * hq, dtype=torch.float32, device=device),
+            max_context=max_context, metas={})
+
+    def _fill_graph_indices(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        g = self.graph
+        assert g is not None, "init_cuda_graph_state must run first"
+        kv_indptr = g.kv_indptr[:bs + 1]
+        build_kv_indptr(seq_lens, out=kv_indptr)
+        build_kv_indices(self.ctx.req_to_token_pool.req_to_token, req_pool_indices, kv_indptr, g.kv_indices)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        g = self.graph
+        assert g is not None, "init_cuda_graph_state must run first"
+        splits = self._graph_splits(bs, g.max_context)
+        hq, dv = self.ctx.num_q_heads, self.v_head_dim
+        meta = _Metadata(g.kv_indptr[:bs + 1], g.kv_indices,
+                         mid_o=g.mid_o[:bs * hq * splits * dv].view(bs, hq, splits, dv),
+                         mid_lse=g.mid_lse[:bs * hq * splits].view(bs, hq, splits))
+        g.metas[bs] = meta
+        self._fill_graph_indices(bs, req_pool_indices, seq_lens)
+        self.meta = meta
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        assert self.graph is not None and bs in self.graph.metas, f"no graph was captured for batch size {bs}"
+        self._fill_graph_indices(bs, req_pool_indices, seq_lens)
+        self.meta = self.graph.metas[bs]
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # a padded request attends to one key: slot 0 of the padding page
 
     # ------------------------------------------------------------------ attention
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:

@@ -1,0 +1,183 @@
+"""CUDA graphs for DECODE steps: capture the whole model once per batch-size bucket, replay per step.
+
+A decode step of a small batch is launch-bound (hundreds of small kernels, each a few microseconds
+on the GPU), so replaying a captured graph removes the host from the critical path. Graphs bake in
+tensor addresses and shapes, so every input lives in a static buffer (`DecodeInputBuffers`) and a
+step of `bs` requests runs the graph of the smallest captured bucket >= bs: the extra slots are
+padding that reads and writes only the reserved padding page (req_to_token row 0 -> KV slot 0), so
+padding never touches a real request's KV. The attention backend keeps its own static metadata
+(`init_cuda_graph_state` and the capture/replay hooks of `AttentionBackend`).
+
+Whether graphs run is decided by `cuda_graph_plan`, which also says why not (CPU device,
+--disable-cuda-graph, a backend without graph support) for logs, `sglx generate` and `--json`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglx.llm.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BS = 160  # SGLang's default on an 80 GB GPU without tensor parallelism
+SMALL_BUCKETS = (1, 2, 4)
+BUCKET_STEP = 8  # above 8 requests, buckets grow by 8: at most 7 padded slots per step
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """Buckets 1, 2, 4, 8, 16, 24, ... up to max_bs (max_bs itself always included)."""
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    sizes = [b for b in SMALL_BUCKETS if b <= max_bs]
+    sizes += list(range(BUCKET_STEP, max_bs + 1, BUCKET_STEP))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def bucket_for(bs: int, buckets: list[int]) -> int | None:
+    """The smallest captured batch size that holds bs requests; None when bs exceeds every bucket."""
+    if bs < 1:
+        return None
+    i = bisect.bisect_left(buckets, bs)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass(frozen=True)
+class CudaGraphPlan:
+    """Whether decode steps replay CUDA graphs, up to which batch size, and why (not)."""
+
+    enabled: bool
+    max_bs: int
+    batch_sizes: tuple[int, ...]
+    why: str
+
+    def describe(self) -> str:
+        return f"on (batch sizes up to {self.max_bs})" if self.enabled else f"off: {self.why}"
+
+
+def cuda_graph_plan(device: torch.device, backend_name: str, backend_supports: bool, disabled: bool,
+                    max_bs: int | None, max_running_requests: int) -> CudaGraphPlan:
+    """Decide graphs from the device, the flags and the decode backend's declared support."""
+    limit = max_bs if max_bs is not None else DEFAULT_MAX_BS
+    limit = max(1, min(limit, max_running_requests))
+    why = ""
+    if disabled:
+        why = "--disable-cuda-graph"
+    elif device.type != "cuda":
+        why = f"the device is {device.type}; CUDA graphs need a CUDA GPU"
+    elif not backend_supports:
+        why = (f"decode attention backend {backend_name} does not support CUDA graphs "
+               "(choose --attention-backend triton for graphs)")
+    if why:
+        return CudaGraphPlan(False, limit, (), why)
+    sizes = tuple(capture_batch_sizes(limit))
+    return CudaGraphPlan(True, limit, sizes, f"decode batches of up to {limit} requests replay captured graphs")
+
+
+class DecodeInputBuffers:
+    """Static per-token inputs of a decode step, `max_bs` long; a step fills the first `bucket` entries.
+
+    Real requests take [0, bs); padding [bs, bucket) gets token 0 at position 0 of req_to_token row 0
+    with `fill_seq_len` keys, and writes its K/V into slot 0 (the reserved padding page).
+    """
+
+    def __init__(self, max_bs: int, device: torch.device) -> None:
+        self.max_bs = max_bs
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.long, device=device)
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=device)
+
+    def fill(self, batch: ForwardBatch, bucket: int, fill_seq_len: int) -> list[int]:
+        """Copy a decode batch into the buffers and pad it to `bucket`; returns the padded seq_lens (host)."""
+        bs = batch.batch_size
+        if not 0 < bs <= bucket <= self.max_bs:
+            raise ValueError(f"cannot pad a batch of {bs} to {bucket} (buffers hold {self.max_bs})")
+        for buf, src, pad in ((self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
+                              (self.req_pool_indices, batch.req_pool_indices, 0),
+                              (self.seq_lens, batch.seq_lens, fill_seq_len),
+                              (self.out_cache_loc, batch.out_cache_loc, 0)):
+            buf[:bs].copy_(src, non_blocking=True)
+            if bucket > bs:
+                buf[bs:bucket].fill_(pad)
+        return [*batch.seq_lens_cpu, *([fill_seq_len] * (bucket - bs))]
+
+    def batch(self, bucket: int, runner: ModelRunner, seq_lens_cpu: list[int]) -> ForwardBatch:
+        """A DECODE ForwardBatch over the first `bucket` entries (views: captured addresses never change)."""
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bucket], positions=self.positions[:bucket],
+            req_pool_indices=self.req_pool_indices[:bucket], seq_lens=self.seq_lens[:bucket],
+            out_cache_loc=self.out_cache_loc[:bucket], req_to_token_pool=runner.req_to_token_pool,
+            token_kv_pool=runner.token_kv_pool, attn_backend=runner.backend, seq_lens_cpu=seq_lens_cpu)
+
+
+class CudaGraphRunner:
+    """Captures one decode graph per bucket at start-up and replays it for every decode step it fits."""
+
+    def __init__(self, runner: ModelRunner, plan: CudaGraphPlan) -> None:
+        self.runner = runner
+        self.plan = plan
+        self.buckets = list(plan.batch_sizes)
+        self.max_bs = plan.max_bs
+        self.fill_seq_len = runner.backend.get_cuda_graph_seq_len_fill_value()
+        self.buffers = DecodeInputBuffers(self.max_bs, runner.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        runner.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        started = time.perf_counter()
+        self._capture_all()
+        self.capture_seconds = time.perf_counter() - started
+        log.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
+                 self.capture_seconds)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.mode is ForwardMode.DECODE and 0 < batch.batch_size <= self.max_bs
+                and not batch.return_all_logits)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.runner.device)
+        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
+            seq_lens_cpu = [self.fill_seq_len] * bucket
+            self.buffers.seq_lens[:bucket].fill_(self.fill_seq_len)
+            batch = self.buffers.batch(bucket, self.runner, seq_lens_cpu)
+            backend = self.runner.backend
+            backend.init_forward_metadata_capture_cuda_graph(bucket, batch.req_pool_indices, batch.seq_lens)
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
+                    self.runner.model(batch)
+            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.runner.model(batch)
+            self.graphs[bucket] = graph
+            self.outputs[bucket] = out
+        torch.cuda.synchronize(self.runner.device)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] of a decode batch; a view of the graph's output, valid until the next replay."""
+        bs = batch.batch_size
+        bucket = bucket_for(bs, self.buckets)
+        assert bucket is not None, "can_run(batch) must be checked first"
+        seq_lens_cpu = self.buffers.fill(batch, bucket, self.fill_seq_len)
+        b = self.buffers
+        self.runner.backend.init_forward_metadata_replay_cuda_graph(bucket, b.req_pool_indices[:bucket],
+                                                                    b.seq_lens[:bucket], seq_lens_cpu)
+        self.graphs[bucket].replay()
+        self.replays += 1
+        return self.outputs[bucket][:bs]
