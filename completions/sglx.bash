@@ -5,7 +5,7 @@
 _sglx_subcommands() {
     case "$1" in
         'sglx') echo 'doctor generate serve bench' ;;
-        'sglx bench') echo 'serving' ;;
+        'sglx bench') echo 'serving attention one-batch' ;;
         *) ;;
     esac
 }
@@ -19,6 +19,8 @@ _sglx_options() {
         'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
+        'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
+        'sglx bench one-batch') echo '--batch-size --input-len --output-len --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
         *) ;;
     esac
 }
@@ -104,6 +106,45 @@ _sglx_nargs() {
         'sglx bench serving --api-key') echo '1' ;;
         'sglx bench serving --seed') echo '1' ;;
         'sglx bench serving --output-file') echo '1' ;;
+        'sglx bench attention --backend') echo '1' ;;
+        'sglx bench attention --phase') echo '1' ;;
+        'sglx bench attention --batch-size') echo '1' ;;
+        'sglx bench attention --num-q-heads') echo '1' ;;
+        'sglx bench attention --num-kv-heads') echo '1' ;;
+        'sglx bench attention --head-dim') echo '1' ;;
+        'sglx bench attention --context-len') echo '1' ;;
+        'sglx bench attention --prefill-shape') echo '1' ;;
+        'sglx bench attention --page-size') echo '1' ;;
+        'sglx bench attention --dtype') echo '1' ;;
+        'sglx bench attention --kv-cache-dtype') echo '1' ;;
+        'sglx bench attention --device') echo '1' ;;
+        'sglx bench attention --warmup-ms') echo '1' ;;
+        'sglx bench attention --rep-ms') echo '1' ;;
+        'sglx bench attention --seed') echo '1' ;;
+        'sglx bench attention --output') echo '1' ;;
+        'sglx bench one-batch --batch-size') echo '1' ;;
+        'sglx bench one-batch --input-len') echo '1' ;;
+        'sglx bench one-batch --output-len') echo '1' ;;
+        'sglx bench one-batch --output') echo '1' ;;
+        'sglx bench one-batch --model-path') echo '1' ;;
+        'sglx bench one-batch --tokenizer-path') echo '1' ;;
+        'sglx bench one-batch --load-format') echo '1' ;;
+        'sglx bench one-batch --dtype') echo '1' ;;
+        'sglx bench one-batch --device') echo '1' ;;
+        'sglx bench one-batch --attention-backend') echo '1' ;;
+        'sglx bench one-batch --prefill-attention-backend') echo '1' ;;
+        'sglx bench one-batch --decode-attention-backend') echo '1' ;;
+        'sglx bench one-batch --attention-backend-config') echo '1' ;;
+        'sglx bench one-batch --page-size') echo '1' ;;
+        'sglx bench one-batch --kv-cache-dtype') echo '1' ;;
+        'sglx bench one-batch --mem-fraction-static') echo '1' ;;
+        'sglx bench one-batch --max-total-tokens') echo '1' ;;
+        'sglx bench one-batch --max-running-requests') echo '1' ;;
+        'sglx bench one-batch --chunked-prefill-size') echo '1' ;;
+        'sglx bench one-batch --max-prefill-tokens') echo '1' ;;
+        'sglx bench one-batch --context-length') echo '1' ;;
+        'sglx bench one-batch --random-seed') echo '1' ;;
+        'sglx bench one-batch --cuda-graph-max-bs') echo '1' ;;
         *) echo '0' ;;
     esac
 }
@@ -133,6 +174,20 @@ _sglx_values() {
         'sglx bench serving --prompt-kind') echo 'auto token-ids text' ;;
         'sglx bench serving --tokenizer') echo '@file' ;;
         'sglx bench serving --output-file') echo '@file' ;;
+        'sglx bench attention --backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench attention --phase') echo 'decode prefill' ;;
+        'sglx bench attention --dtype') echo 'bfloat16 float16 float32' ;;
+        'sglx bench attention --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx bench attention --device') echo 'auto cpu cuda' ;;
+        'sglx bench attention --output') echo '@file' ;;
+        'sglx bench one-batch --output') echo '@file' ;;
+        'sglx bench one-batch --load-format') echo 'auto safetensors dummy' ;;
+        'sglx bench one-batch --dtype') echo 'auto bfloat16 float16 float32' ;;
+        'sglx bench one-batch --device') echo 'auto cpu cuda' ;;
+        'sglx bench one-batch --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench one-batch --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench one-batch --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench one-batch --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
         *) ;;
     esac
 }

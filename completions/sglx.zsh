@@ -17,7 +17,7 @@ _sglx() {
                 'doctor:Which attention backends work on this machine, why the others don'\''t, and what auto-selection picks.'
                 'generate:Generate text for one or more prompts (default model: the tiny key-value-recall model shipped...'
                 'serve:Serve a model over an OpenAI-compatible HTTP API (default: the tiny model embedded in sglx).'
-                'bench:Benchmarks: serving load against an OpenAI-compatible endpoint.'
+                'bench:Benchmarks: serving load against an OpenAI-compatible endpoint, attention kernels against...'
             )
             _describe -t commands 'sglx command' commands && ret=0
             ;;
@@ -134,6 +134,8 @@ _sglx_bench() {
             local -a commands
             commands=(
                 'serving:Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, median,...'
+                'attention:Check, then time, LLM attention backends per phase and shape against SDPA (cuDNN) and FlashInfer.'
+                'one-batch:Latency of one static batch without a server: prefill, per-step decode and the memory-roofline...'
             )
             _describe -t commands 'sglx bench command' commands && ret=0
             ;;
@@ -141,6 +143,8 @@ _sglx_bench() {
             curcontext="${curcontext%:*:*}:sglx-bench-${words[1]}:"
             case ${words[1]} in
                 'serving') _sglx_bench_serving ;;
+                'attention') _sglx_bench_attention ;;
+                'one-batch') _sglx_bench_one_batch ;;
             esac
             ret=$?
             ;;
@@ -171,6 +175,61 @@ _sglx_bench_serving() {
         '--json[Print the report as JSON instead of a table.]' \
         '--output-file=[Also write the JSON report here.]:output-file:_files' \
         '--disable-progress[No progress bar.]' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_bench_attention() {
+    _arguments -s \
+        '--backend=[sglx LLM backend to time (repeatable; default: every implemented backend usable here).]:backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--phase=[decode and/or prefill (default: both).]:phase:(decode prefill)' \
+        '--batch-size=[Requests (GPU default: decode 64, prefill 4; CPU: 2).]:batch-size: ' \
+        '--num-q-heads=[Query heads (GPU 32, CPU 4).]:num-q-heads: ' \
+        '--num-kv-heads=[KV heads (GPU: decode 8, prefill = query heads; CPU: decode 2, prefill 4).]:num-kv-heads: ' \
+        '--head-dim=[Head dim (GPU 128, CPU 64).]:head-dim: ' \
+        '--context-len=[Decode: keys per request, repeatable (GPU 4096, CPU 64).]:context-len: ' \
+        '--prefill-shape=[Prefill PREFIX:NEW, causal, repeatable (GPU 0:4096 and 4096:512; CPU 0:32 and 32:8).]:prefill-shape: ' \
+        '--page-size=[KV page size, repeatable (default: decode 1 and 16, prefill 16).]:page-size: ' \
+        '--dtype=[Compute dtype (GPU bfloat16, CPU float32).]:dtype:(bfloat16 float16 float32)' \
+        '--kv-cache-dtype=[KV storage, repeatable (GPU decode: auto and fp8_e4m3; else auto).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--device=[auto = cuda when available.]:device:(auto cpu cuda)' \
+        '--no-baselines[Skip SDPA and FlashInfer.]' \
+        '--warmup-ms=[Warm-up time per timed call.]:warmup-ms: ' \
+        '--rep-ms=[Time spent on timed runs per call (median).]:rep-ms: ' \
+        '--seed=[Seed of the random inputs.]:seed: ' \
+        '--json[Print the report as JSON instead of a table.]' \
+        '--output=[Also write the JSON report here.]:output:_files' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_bench_one_batch() {
+    _arguments -s \
+        '--batch-size=[Batch size(s): repeatable or comma-separated (default 1).]:batch-size: ' \
+        '--input-len=[Prompt tokens per request.]:input-len: ' \
+        '--output-len=[Generated tokens per request (1 from the prefill, the rest from decode steps).]:output-len: ' \
+        '--json[Print the report as JSON instead of a table.]' \
+        '--output=[Also write the JSON report here.]:output:_files' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
+        '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
+        '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
+        '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
+        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
+        '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
+        '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
+        '--chunked-prefill-size=[Split prompts into prefill chunks of this many tokens (default 8192; -1 disables).]:chunked-prefill-size: ' \
+        '--max-prefill-tokens=[Token budget of one prefill batch.]:max-prefill-tokens: ' \
+        '--enable-mixed-chunk[Run running decodes in the same step as a prefill chunk (MIXED steps).]' \
+        '--disable-radix-cache[Turn off prefix caching.]' \
+        '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
+        '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
+        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--help[Show this message and exit.]'
 }
 

@@ -1,4 +1,4 @@
-"""`sglx bench`: benchmark sub-commands (serving here; attention and one-batch join the same sub-app)."""
+"""`sglx bench`: benchmark sub-commands (serving, attention, one-batch); argument handling only."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pathlib import Path
 
 import typer
 
+from sglx.cli.engine_options import llm_backend_names, with_engine_options
 from sglx.errors import SglxError
+from sglx.llm.engine_config import EngineConfig
 
-bench_app = typer.Typer(name="bench", help="Benchmarks: serving load against an OpenAI-compatible endpoint.",
+bench_app = typer.Typer(name="bench", help="Benchmarks: serving load against an OpenAI-compatible endpoint, "
+                                             "attention kernels against baselines, one-batch engine latency.",
                         no_args_is_help=True)
 
 Endpoint = enum.Enum("Endpoint", {"completions": "completions", "chat": "chat"}, type=str)  # type: ignore[misc]
@@ -92,3 +95,136 @@ def serving(
             typer.echo(f"error: {message}", err=True)
     if report["failed"]:
         raise typer.Exit(1)
+
+
+Phase = enum.Enum("Phase", {k: k for k in ("decode", "prefill")}, type=str)  # type: ignore[misc]
+BenchDtype = enum.Enum("BenchDtype", {k: k for k in ("bfloat16", "float16", "float32")}, type=str)  # type: ignore[misc]
+KvDtype = enum.Enum("KvDtype", {k: k for k in ("auto", "fp8_e4m3", "fp8_e5m2")}, type=str)  # type: ignore[misc]
+Device = enum.Enum("Device", {k: k for k in ("auto", "cpu", "cuda")}, type=str)  # type: ignore[misc]
+LLMBackend = enum.Enum("LLMBackend", {k: k for k in llm_backend_names()}, type=str)  # type: ignore[misc]
+SHAPES = "Shapes (default: per device and phase; see --help text)"
+
+
+def _write_report(report: dict, json_output: bool, output: Path | None, table: object) -> None:
+    from rich.console import Console
+
+    text = json.dumps(report, indent=1, default=str)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n", encoding="utf-8")
+    if json_output:
+        typer.echo(text)
+    else:
+        Console(width=200).print(table)
+
+
+def _prefill_shape(text: str) -> tuple[int, int]:
+    prefix, sep, new = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(prefix), int(new)
+    except ValueError:
+        raise SglxError(f"--prefill-shape {text}: write PREFIX:NEW, e.g. 0:4096 or 4096:512") from None
+
+
+@bench_app.command("attention")
+def attention(
+    backend: list[LLMBackend] | None = typer.Option(  # type: ignore[valid-type]
+        None, "--backend", case_sensitive=False,
+        help="sglx LLM backend to time (repeatable; default: every implemented backend usable here)."),
+    phase: list[Phase] | None = typer.Option(None, "--phase", help="decode and/or prefill (default: both)."),  # type: ignore[valid-type]
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Requests (GPU default: decode 64, "
+                                          "prefill 4; CPU: 2).", rich_help_panel=SHAPES),
+    num_q_heads: int | None = typer.Option(None, "--num-q-heads", help="Query heads (GPU 32, CPU 4).",
+                                           rich_help_panel=SHAPES),
+    num_kv_heads: int | None = typer.Option(None, "--num-kv-heads", help="KV heads (GPU: decode 8, prefill "
+                                            "= query heads; CPU: decode 2, prefill 4).", rich_help_panel=SHAPES),
+    head_dim: int | None = typer.Option(None, "--head-dim", help="Head dim (GPU 128, CPU 64).",
+                                        rich_help_panel=SHAPES),
+    context_len: list[int] | None = typer.Option(None, "--context-len", help="Decode: keys per request, "
+                                                 "repeatable (GPU 4096, CPU 64).", rich_help_panel=SHAPES),
+    prefill_shape: list[str] | None = typer.Option(None, "--prefill-shape", help="Prefill PREFIX:NEW, causal, "
+                                                   "repeatable (GPU 0:4096 and 4096:512; CPU 0:32 and 32:8).",
+                                                   rich_help_panel=SHAPES),
+    page_size: list[int] | None = typer.Option(None, "--page-size", help="KV page size, repeatable (default: "
+                                               "decode 1 and 16, prefill 16).", rich_help_panel=SHAPES),
+    dtype: BenchDtype | None = typer.Option(None, "--dtype", help="Compute dtype (GPU bfloat16, CPU float32).",  # type: ignore[valid-type]
+                                            rich_help_panel=SHAPES),
+    kv_cache_dtype: list[KvDtype] | None = typer.Option(  # type: ignore[valid-type]
+        None, "--kv-cache-dtype", help="KV storage, repeatable (GPU decode: auto and fp8_e4m3; else auto).",
+        rich_help_panel=SHAPES),
+    device: Device = typer.Option("auto", "--device", help="auto = cuda when available."),  # type: ignore[valid-type]
+    no_baselines: bool = typer.Option(False, "--no-baselines", help="Skip SDPA and FlashInfer."),
+    warmup_ms: float | None = typer.Option(None, "--warmup-ms", help="Warm-up time per timed call."),
+    rep_ms: float | None = typer.Option(None, "--rep-ms", help="Time spent on timed runs per call (median)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+    output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
+) -> None:
+    """Check, then time, LLM attention backends per phase and shape against SDPA (cuDNN) and FlashInfer."""
+    from rich.console import Console
+
+    from sglx.bench.attention import AttentionBenchConfig, report_table, run_attention_bench
+
+    try:
+        config = AttentionBenchConfig(
+            backends=tuple(LLMBackend(b).value for b in backend or ()),
+            phases=tuple(Phase(p).value for p in phase or ()) or ("decode", "prefill"),
+            batch_size=batch_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            context_lens=tuple(context_len or ()), prefill_shapes=tuple(_prefill_shape(s) for s in prefill_shape or ()),
+            page_sizes=tuple(page_size or ()), dtype=BenchDtype(dtype).value if dtype else None,
+            kv_cache_dtypes=tuple(KvDtype(k).value for k in kv_cache_dtype or ()), device=Device(device).value,
+            baselines=not no_baselines, warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed)
+        err = Console(stderr=True)
+        report = run_attention_bench(config, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _write_report(report, json_output, output, report_table(report))
+    for message in report["failed"]:
+        typer.echo(f"error: {message}", err=True)
+    if report["failed"]:
+        raise typer.Exit(1)
+
+
+def _batch_sizes(values: list[str] | None) -> tuple[int, ...]:
+    out = []
+    for value in values or ["1"]:
+        for part in value.split(","):
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise SglxError(f"--batch-size {value}: give integers, e.g. --batch-size 1 --batch-size 64 "
+                                "or --batch-size 1,64") from None
+    return tuple(out)
+
+
+@bench_app.command("one-batch")
+@with_engine_options
+def one_batch(
+    batch_size: list[str] | None = typer.Option(None, "--batch-size",
+                                                help="Batch size(s): repeatable or comma-separated (default 1)."),
+    input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(16, "--output-len", help="Generated tokens per request (1 from the prefill, "
+                                   "the rest from decode steps)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+    output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
+    engine_config: EngineConfig = None,  # type: ignore[assignment]  # filled by @with_engine_options
+) -> None:
+    """Latency of one static batch without a server: prefill, per-step decode and the memory-roofline floor.
+
+    E.g. `sglx bench one-batch --model-path llama-3.1-8b --load-format dummy --batch-size 1,64`.
+    """
+    from rich.console import Console
+
+    from sglx.bench.one_batch import OneBatchConfig, report_table, run_one_batch
+
+    try:
+        config = OneBatchConfig(batch_sizes=_batch_sizes(batch_size), input_len=input_len, output_len=output_len)
+        err = Console(stderr=True)
+        report = run_one_batch(engine_config, config, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _write_report(report, json_output, output, report_table(report))

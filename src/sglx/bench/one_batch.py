@@ -1,0 +1,228 @@
+"""`sglx bench one-batch`: the latency of one static batch through the model runner, no scheduler or server.
+
+Like SGLang's bench_one_batch: `batch_size` random prompts of `input_len` tokens are prefilled in
+one EXTEND step, then decoded greedily for `output_len - 1` DECODE steps (the prefill already
+yields the first token), each step timed on the host with the device synchronized, so a step's
+time is what a user waits for, launch overhead and CUDA-graph replay included.
+
+The decode-step floor is the memory roofline: every weight a step multiplies with (all parameters
+but the embedding table, of which only the batch's rows are read) plus every K/V byte the step's
+attention reads, divided by the bandwidth of a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import platform as py_platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from sglx.bench.timing import copy_bandwidth
+from sglx.errors import SglxError
+from sglx.llm.engine_config import EngineConfig
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+
+POOL_ROUND = 256  # per-request KV capacity is rounded up to this (a multiple of every page size)
+WARMUP_DECODE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class OneBatchConfig:
+    batch_sizes: tuple[int, ...] = (1,)
+    input_len: int = 512
+    output_len: int = 16
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            problems.append(f"--batch-size {','.join(map(str, self.batch_sizes))}: give sizes >= 1")
+        if self.input_len < 1:
+            problems.append(f"--input-len {self.input_len}: must be >= 1")
+        if self.output_len < 2:
+            problems.append(f"--output-len {self.output_len}: must be >= 2 (the prefill yields the first token; "
+                            "decode steps yield the rest)")
+        if problems:
+            raise SglxError("invalid benchmark options:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @property
+    def tokens_per_request(self) -> int:
+        return self.input_len + self.output_len
+
+
+def make_prompts(vocab_size: int, batch_size: int, input_len: int, seed: int) -> torch.Tensor:
+    """[batch_size, input_len] random token ids (reproducible from the seed, for tests)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch_size, input_len), generator=gen)
+
+
+def engine_config_for(base: EngineConfig, config: OneBatchConfig) -> EngineConfig:
+    """The engine flags with a KV pool, request table and graph sizes just big enough (unless given)."""
+    max_bs = max(config.batch_sizes)
+    per_request = -(-config.tokens_per_request // POOL_ROUND) * POOL_ROUND
+    return replace(base,
+                   max_total_tokens=base.max_total_tokens or max_bs * per_request,
+                   max_running_requests=base.max_running_requests or max_bs,
+                   cuda_graph_max_bs=base.cuda_graph_max_bs or max_bs)
+
+
+def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
+    """Bytes of weights one decode step reads: every parameter, but only `batch_size` rows of the embedding
+    table (unless the table doubles as the LM head, which reads all of it)."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    if getattr(model, "lm_head", None) is not None:
+        total += batch_size * embed.shape[1] * embed.element_size() - embed.numel() * embed.element_size()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _BatchRun:
+    """Rows 1..bs of req_to_token, each request on its own contiguous, page-aligned run of KV slots."""
+
+    def __init__(self, runner: Any, prompts: torch.Tensor, config: OneBatchConfig) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.bs, self.input_len = prompts.shape
+        page = runner.page_size
+        per_request = -(-config.tokens_per_request // page) * page
+        if (self.bs * per_request) > runner.memory.num_slots:
+            raise SglxError(f"the KV pool ({runner.memory.num_slots} tokens) cannot hold {self.bs} requests of "
+                            f"{config.tokens_per_request} tokens; raise --max-total-tokens")
+        base = page + torch.arange(self.bs)[:, None] * per_request  # page 0 is the padding page
+        self.slots = (base + torch.arange(per_request)[None, :]).to(self.device)
+        self.rows = torch.arange(1, self.bs + 1, device=self.device)
+        table = runner.req_to_token_pool.req_to_token
+        table[1:self.bs + 1, :per_request] = self.slots.to(table.dtype)
+        self.prompts = prompts.to(self.device)
+
+    def prefill(self) -> torch.Tensor:
+        bs, n = self.bs, self.input_len
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=self.prompts.reshape(-1),
+            positions=torch.arange(n, device=self.device).repeat(bs), req_pool_indices=self.rows,
+            seq_lens=torch.full((bs,), n, device=self.device), out_cache_loc=self.slots[:, :n].reshape(-1),
+            req_to_token_pool=self.runner.req_to_token_pool, token_kv_pool=self.runner.token_kv_pool,
+            seq_lens_cpu=[n] * bs, extend_seq_lens_cpu=[n] * bs, extend_prefix_lens_cpu=[0] * bs)
+        return self.runner.forward(batch).argmax(-1)
+
+    def decode(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Decode step `step` (0-based): token at position input_len + step."""
+        pos = self.input_len + step
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=tokens, positions=torch.full((self.bs,), pos, device=self.device),
+            req_pool_indices=self.rows, seq_lens=torch.full((self.bs,), pos + 1, device=self.device),
+            out_cache_loc=self.slots[:, pos], req_to_token_pool=self.runner.req_to_token_pool,
+            token_kv_pool=self.runner.token_kv_pool, seq_lens_cpu=[pos + 1] * self.bs)
+        return self.runner.forward(batch).argmax(-1)
+
+
+def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth: float) -> dict[str, Any]:
+    device = runner.device
+    prompts = make_prompts(runner.model_config.vocab_size, bs, config.input_len, seed)
+    run = _BatchRun(runner, prompts, config)
+    tokens = run.prefill()  # warm-up: kernels compile, allocator and library heuristics settle
+    for step in range(min(WARMUP_DECODE_STEPS, config.output_len - 1)):
+        tokens = run.decode(tokens, step)
+    _sync(device)
+    replays_before = runner.graph_runner.replays if runner.graph_runner is not None else 0
+
+    started = time.perf_counter()
+    tokens = run.prefill()
+    _sync(device)
+    prefill_s = time.perf_counter() - started
+    outputs = [tokens]
+    steps = []
+    for step in range(config.output_len - 1):
+        t0 = time.perf_counter()
+        tokens = run.decode(tokens, step)
+        _sync(device)
+        steps.append(time.perf_counter() - t0)
+        outputs.append(tokens)
+    total_s = time.perf_counter() - started
+    step_ms = statistics.median(steps) * 1e3
+    mid_context = config.input_len + len(steps) // 2 + 1  # keys per request in the median step
+    kv_bytes = bs * mid_context * runner.token_kv_pool.bytes_per_token()
+    weights = weight_bytes_per_step(runner.model, bs)
+    floor_ms = (weights + kv_bytes) / bandwidth * 1e3
+    graph_steps = (runner.graph_runner.replays - replays_before) if runner.graph_runner is not None else 0
+    return {
+        "batch_size": bs, "input_len": config.input_len, "output_len": config.output_len,
+        "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": bs * config.input_len / prefill_s,
+        "decode_steps": len(steps), "decode_step_ms_median": step_ms, "decode_step_ms_min": min(steps) * 1e3,
+        "decode_step_ms_max": max(steps) * 1e3, "decode_tokens_per_s": bs / (step_ms * 1e-3),
+        "decode_steps_in_cuda_graphs": graph_steps, "total_ms": total_s * 1e3,
+        "weight_bytes_per_step": weights, "kv_bytes_per_step": kv_bytes, "floor_ms": floor_ms,
+        "ratio_to_floor": step_ms / floor_ms,
+        "output_ids": torch.stack(outputs, 1).tolist()[:4],  # first requests' greedy tokens (for checks)
+    }
+
+
+def run_one_batch(engine_config: EngineConfig, config: OneBatchConfig,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from sglx.llm.model_runner import ModelRunner
+
+    cfg = engine_config_for(engine_config, config)
+    if progress:
+        progress(f"loading {cfg.model_path or 'the embedded model'} ({cfg.load_format} weights)")
+    runner = ModelRunner(cfg)
+    try:
+        bandwidth = copy_bandwidth(runner.device)
+        results = []
+        with torch.inference_mode():
+            for bs in config.batch_sizes:
+                if progress:
+                    progress(f"batch size {bs}: prefill {config.input_len} tokens, {config.output_len - 1} "
+                             "decode steps")
+                results.append(_one_size(runner, config, bs, cfg.seed, bandwidth))
+        info = runner.describe()
+        env: dict[str, Any] = {"torch": torch.__version__, "python": py_platform.python_version(),
+                               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if runner.device.type == "cuda":
+            env.update(device_name=torch.cuda.get_device_name(runner.device), cuda=torch.version.cuda)
+        else:
+            env["device_name"] = py_platform.processor() or py_platform.machine()
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+        n_params = sum(p.numel() for p in runner.model.parameters())
+        return {
+            "environment": env, "model_path": runner.model_path, "architecture": runner.model_config.architecture,
+            "load_format": cfg.load_format, "parameters": n_params, **info,
+            "copy_bandwidth_gb_per_s": bandwidth / 1e9,
+            "floor": "(weights read per step + K/V read per step) / device-to-device copy bandwidth, same run",
+            "timing": "host wall clock per step with the device synchronized; decode = median over steps",
+            "results": results,
+        }
+    finally:
+        runner.release_memory()
+
+
+def report_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    env = report["environment"]
+    graphs = (f"CUDA graphs bs <= {report['cuda_graph_max_bs']}" if report["cuda_graph"]
+              else f"CUDA graphs off ({report['cuda_graph_why']})")
+    table = Table(title=f"sglx bench one-batch: {report['model_path']} ({report['dtype']}, {report['load_format']}) "
+                        f"on {env.get('device_name')} | attention {report['attention_backend']} | {graphs} | "
+                        f"copy bandwidth {report['copy_bandwidth_gb_per_s']:.0f} GB/s", title_justify="left")
+    for col in ("batch", "input", "output", "prefill ms", "prefill tok/s", "decode step ms (median)",
+                "decode tok/s", "floor ms", "step / floor"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(str(r["batch_size"]), str(r["input_len"]), str(r["output_len"]), f"{r['prefill_ms']:.2f}",
+                      f"{r['prefill_tokens_per_s']:.0f}", f"{r['decode_step_ms_median']:.3f}",
+                      f"{r['decode_tokens_per_s']:.1f}", f"{r['floor_ms']:.3f}", f"{r['ratio_to_floor']:.2f}x")
+    return table
