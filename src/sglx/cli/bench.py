@@ -36,7 +36,7 @@ def serving(
     random_input_len: int = typer.Option(256, "--random-input-len", help="Longest prompt, in tokens."),
     random_output_len: int = typer.Option(128, "--random-output-len", help="Longest output (max_tokens)."),
     random_range_ratio: float = typer.Option(1.0, "--random-range-ratio",
-                                             help="Lengths lie in [ratio * len, len]; 1.0 = all the same."),
+                                             help="Lengths lie between ratio * len and len; 1.0 = all the same."),
     length_dist: LengthDist = typer.Option("uniform", "--length-dist",
                                            help="How lengths spread over that range."),
     prompt_kind: PromptKind = typer.Option(
