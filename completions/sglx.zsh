@@ -162,7 +162,7 @@ _sglx_bench_serving() {
         '--max-concurrency=[Most requests in flight at once.]:max-concurrency: ' \
         '--random-input-len=[Longest prompt, in tokens.]:random-input-len: ' \
         '--random-output-len=[Longest output (max_tokens).]:random-output-len: ' \
-        '--random-range-ratio=[Lengths lie in \[ratio * len, len\]; 1.0 = all the same.]:random-range-ratio: ' \
+        '--random-range-ratio=[Lengths lie between ratio * len and len; 1.0 = all the same.]:random-range-ratio: ' \
         '--length-dist=[How lengths spread over that range.]:length-dist:(uniform normal)' \
         '--prompt-kind=[token-ids (exact lengths; vocabulary from sglx'\''s /server_info or --vocab-size), text (from --toke...]:prompt-kind:(auto token-ids text)' \
         '--tokenizer=[HF tokenizer directory for text prompts.]:tokenizer:_files' \
