@@ -64,6 +64,15 @@ def _graceful_server_class() -> Any:
     return GracefulServer
 
 
+def warm_up(engine: Any) -> None:
+    """One small request before the port opens, so the first client does not wait for kernel compilation
+    (Triton JIT, cuDNN plans); its prefix is flushed so the KV pool starts empty."""
+    vocab = engine.model_config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(32)]
+    engine.generate(input_ids=[ids, ids[:9]], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    engine.flush_cache()
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
     import uvicorn
@@ -74,6 +83,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(engine_config)
     try:
+        warm_up(engine)
         app = create_app(engine, config, shutdown_engine=True)
         for line in startup_lines(engine.info, app.state.sglx.model_name, config):
             print(line, file=sys.stderr, flush=True)
