@@ -1,10 +1,16 @@
-"""SiLU-gated MLP (SwiGLU) with gate and up projections fused into one matmul."""
+"""SiLU-gated MLP (SwiGLU) with gate and up projections fused into one matmul.
+
+On CUDA tensors silu(gate) * up runs as one Triton kernel over the gate_up output (same roundings);
+CPU runs the torch code.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sglx.llm.kernels import use_fused
 
 
 class GatedMLP(nn.Module):
@@ -17,5 +23,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused(gate_up):
+            from sglx.llm.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -1,9 +1,15 @@
-"""RMSNorm, computed in float32 and cast back exactly where Hugging Face does, so logits match bit-closely."""
+"""RMSNorm, computed in float32 and cast back exactly where Hugging Face does, so logits match bit-closely.
+
+On CUDA tensors (when triton imports) one fused Triton kernel does the whole norm, and `add_and_norm`
+also folds in the residual add that precedes every norm of a decoder layer; CPU runs the torch code.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from sglx.llm.kernels import use_fused
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +19,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x) and self.weight.dtype == x.dtype:
+            from sglx.llm.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        return self._torch(x)
+
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta): the residual stream update and the next norm at once."""
+        if use_fused(delta) and self.weight.dtype == delta.dtype == residual.dtype:
+            from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
+
+            return fused_add_rms_norm(delta, residual, self.weight, self.eps)
+        updated = residual + delta
+        return self._torch(updated), updated
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -2,7 +2,9 @@
 
 Inverse frequencies follow Hugging Face's formulas exactly (float32, same operation order) so positions
 far beyond the original context rotate identically; cos/sin are computed per step from the step's
-positions instead of a max-length table, so a 128K-context config costs no memory up front.
+positions instead of a max-length table, so a 128K-context config costs no memory up front. Every
+layer then looks its rows up: on CUDA one Triton kernel rotates q and k in place (same roundings as
+the torch code, which CPU runs).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from sglx.errors import SglxError
+from sglx.llm.kernels import use_fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -118,13 +121,23 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> cos, sin [T, head_dim] in `dtype`."""
         freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # x * 1.0 == x: skip two kernels per step when there is no scaling
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
     @staticmethod
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated by cos/sin [T, D]."""
+        """q [T, Hq, D], k [T, Hkv, D] rotated by cos/sin [T, D].
+
+        On CUDA the rotation happens IN PLACE (q and k may be views into the fused qkv output) and the
+        same tensors come back; on CPU new tensors come back and the inputs are untouched.
+        """
+        if use_fused(q) and q.dtype == k.dtype == cos.dtype == sin.dtype:
+            from sglx.llm.kernels.rotary import apply_rotary_
+
+            apply_rotary_(q, k, cos, sin)
+            return q, k
         cos, sin = cos[:, None, :], sin[:, None, :]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -3,7 +3,9 @@
 The variants differ only in switches read from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), sliding window (Mistral), RoPE scaling (Llama 3.1) and tied embeddings. q/k/v and gate/up
 projections are fused into single matmuls (one launch each per layer); `load_weights` maps Hugging
-Face's separate tensors into the fused ones.
+Face's separate tensors into the fused ones. Each residual add is folded into the RMSNorm after it
+(`RMSNorm.add_and_norm`), so on CUDA a layer is GEMMs, attention and four fused Triton kernels
+(two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); CPU runs the same math in torch.
 """
 
 from __future__ import annotations
@@ -76,9 +78,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, residual stream before adding it): each residual add is folded into the
+        norm that follows it (one fused kernel on CUDA); the caller adds the last MLP output in the final norm.
+
+        x is the previous layer's MLP output (added to `residual` here), or the embeddings when residual is None.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos, sin, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -93,9 +105,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.num_tokens == 0:  # IDLE step: nothing to compute
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=batch.input_ids.device)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        if not batch.return_all_logits:
+        if not batch.return_all_logits and not batch.mode.is_decode:  # decode: one token per request already
             hidden = hidden[batch.last_token_indices()]
         return F.linear(hidden, self.lm_head_weight).float()
 
