@@ -147,12 +147,12 @@ def test_torch_native_declares_what_sglx_implements() -> None:
 
 
 def test_triton_declares_what_sglx_implements() -> None:
-    """sglx's own Triton kernels: any page size via kv_indices, fp8 KV, sliding window; no fp4, spec or graphs yet."""
+    """sglx's own Triton kernels: any page size via kv_indices, fp8 KV, sliding window, CUDA graphs; no fp4 or spec."""
     f = spec("llm", "mha", "triton").features
     assert isinstance(f, LLMFeatures)
     got = (f.native_paging, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1, f.sliding_window, f.multimodal)
     assert got == (True, True, False, False, False, True, False)
-    assert not f.cuda_graph
+    assert f.cuda_graph
 
 
 # The seeds' hard page-size constraints: (kind, backend, machine, allowed sizes or None = any)
