@@ -1,9 +1,9 @@
 """The triton backend's CUDA-graph metadata hooks, under TRITON_INTERPRET=1 (no GPU needed).
 
 Launched by tests/test_cuda_graph.py. A decode batch padded to its bucket the way the graph runner
-pads it, with metadata built by the capture/replay hooks (static buffers, splits for the longest
-context), must give the eager path's outputs for the real requests, and padding must only ever
-address slot 0, the reserved padding page.
+pads it, with metadata built by the capture/replay hooks and the in-graph build that a replay
+re-runs on the static buffers (splits for the longest context), must give the eager path's outputs
+for the real requests, and padding must only ever address slot 0, the reserved padding page.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def test_replay_metadata_gives_the_eager_outputs_and_padding_stays_on_slot_0(pag
     eager, graphed = TritonBackend(ctx), TritonBackend(ctx)
     buckets = capture_batch_sizes(8)
     graphed.init_cuda_graph_state(8, 8)
-    for bucket in buckets:  # what the runner does at capture time, with all-padding inputs
-        graphed.init_forward_metadata_capture_cuda_graph(bucket, torch.zeros(bucket, dtype=torch.long),
-                                                         torch.ones(bucket, dtype=torch.long))
+    buffers = DecodeInputBuffers(8, torch.device("cpu"))
+    for bucket in buckets:  # what the runner does at capture time: the static buffers, all padding
+        graphed.init_forward_metadata_capture_cuda_graph(bucket, buffers.req_pool_indices[:bucket],
+                                                         buffers.seq_lens[:bucket])
+        graphed.init_forward_metadata_in_graph(bucket)  # the part the graph captures
     bs = len(lens)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE, input_ids=torch.zeros(bs, dtype=torch.long), positions=torch.tensor(lens) - 1,
@@ -50,10 +52,10 @@ def test_replay_metadata_gives_the_eager_outputs_and_padding_stays_on_slot_0(pag
         req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=list(lens))
     bucket = bucket_for(bs, buckets)
     assert bucket == 4 if bs == 3 else bucket == 8
-    buffers = DecodeInputBuffers(8, torch.device("cpu"))
     padded_lens = buffers.fill(batch, bucket, graphed.get_cuda_graph_seq_len_fill_value())
     padded = buffers.batch(bucket, _Runner(cache, graphed), padded_lens)
     graphed.init_forward_metadata_replay_cuda_graph(bucket, padded.req_pool_indices, padded.seq_lens, padded_lens)
+    graphed.init_forward_metadata_in_graph(bucket)  # what a replay of the graph re-runs on the filled buffers
     meta = graphed.meta
     assert meta.mid_o.shape[:2] == (bucket, HQ) and meta.kv_indptr.shape == (bucket + 1,)
     total = sum(lens)

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by t
 
 from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention  # noqa: E402
 from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E402
-from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr  # noqa: E402
+from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr, build_kv_metadata  # noqa: E402
 from sglx.attention.kernels.store_kv import store_kv  # noqa: E402
 from triton_interpreted.paged import make_paged_cache, reference_attention  # noqa: E402
 
@@ -38,6 +38,17 @@ def test_kv_indices_follow_req_to_token_rows():
     assert kv_indptr.tolist() == [0, 1, 41, 48, 648]
     expected = torch.cat([cache.slots(i, 0, n) for i, n in enumerate(lens)]).int()
     assert torch.equal(kv_indices, expected)
+
+
+def test_one_launch_kv_metadata_equals_indptr_plus_indices():
+    lens = [1, 40, 7, 600]  # in request order, not sorted: each program sums only the lengths before it
+    cache = make_paged_cache(lens, 16, 1, 16, torch.float32, fill=[0, 0, 0, 0])
+    kv_indptr = torch.full((len(lens) + 1,), -1, dtype=torch.int32)
+    kv_indices = torch.full((sum(lens) + 5,), -1, dtype=torch.int32)
+    build_kv_metadata(cache.r2t.req_to_token, torch.tensor(cache.rows), torch.tensor(lens), kv_indptr, kv_indices)
+    assert kv_indptr.tolist() == [0, 1, 41, 48, 648]
+    expected = torch.cat([cache.slots(i, 0, n) for i, n in enumerate(lens)]).int()
+    assert torch.equal(kv_indices[:648], expected) and kv_indices[648:].eq(-1).all()
 
 
 @pytest.mark.parametrize("kv_cache_dtype,scales", [("auto", (1.0, 1.0)), ("fp8_e4m3", (0.37, 1.9)),
@@ -72,11 +83,13 @@ def test_fp8_encoding_rounds_ties_to_even_at_every_binade():
 
 
 def test_num_kv_splits_fill_the_gpu_but_keep_splits_long():
-    assert choose_num_kv_splits(1, 8, 4096, 132) == 16  # limited by min_chunk (256 keys)
+    assert choose_num_kv_splits(1, 8, 4096, 132, DecodeConfig(min_chunk=256)) == 16  # limited by min_chunk
+    assert choose_num_kv_splits(1, 8, 1024, 132) == 16  # default min_chunk: 64 keys (one tile)
     assert choose_num_kv_splits(64, 8, 4096, 132) == 2  # 512 rows already nearly fill 4 waves
     assert choose_num_kv_splits(256, 8, 4096, 132) == 1
     assert choose_num_kv_splits(1, 1, 10**6, 132) == 64  # capped
-    assert choose_num_kv_splits(4, 8, 100, 132) == 1
+    assert choose_num_kv_splits(4, 8, 100, 132) == 2
+    assert choose_num_kv_splits(4, 8, 64, 132) == 1
 
 
 DECODE_CASES = [

@@ -6,7 +6,8 @@ tensor addresses and shapes, so every input lives in a static buffer (`DecodeInp
 step of `bs` requests runs the graph of the smallest captured bucket >= bs: the extra slots are
 padding that reads and writes only the reserved padding page (req_to_token row 0 -> KV slot 0), so
 padding never touches a real request's KV. The attention backend keeps its own static metadata
-(`init_cuda_graph_state` and the capture/replay hooks of `AttentionBackend`).
+(`init_cuda_graph_state` and the capture/replay hooks of `AttentionBackend`); its metadata build
+(`init_forward_metadata_in_graph`) is captured with the model, so a replay is input copies + one launch.
 
 Whether graphs run is decided by `cuda_graph_plan`, which also says why not (CPU device,
 --disable-cuda-graph, a backend without graph support) for logs, `sglx generate` and `--json`.
@@ -160,10 +161,12 @@ class CudaGraphRunner:
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
+                    backend.init_forward_metadata_in_graph(bucket)
                     self.runner.model(batch)
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
+                backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
                 out = self.runner.model(batch)
             self.graphs[bucket] = graph
             self.outputs[bucket] = out

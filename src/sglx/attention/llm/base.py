@@ -86,6 +86,14 @@ class AttentionBackend(ABC):
                                                 seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
+    def init_forward_metadata_in_graph(self, bs: int) -> None:
+        """Device work on the capture hook's static inputs that the graph runner captures before the model.
+
+        Runs inside the captured region, so each replay redoes it on the inputs just copied in and the
+        host launches nothing per step but the graph. Default: nothing (all work in the replay hook).
+        """
+        return None
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 

@@ -53,5 +53,8 @@ class HybridAttentionBackend(AttentionBackend):
                                                 seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
         self.decode.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu)
 
+    def init_forward_metadata_in_graph(self, bs: int) -> None:
+        self.decode.init_forward_metadata_in_graph(bs)
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.get_cuda_graph_seq_len_fill_value()

@@ -3,8 +3,10 @@
 Per step it builds CSR `kv_indptr`/`kv_indices` on the device (one Triton launch) and sizes the
 decode split scratch once; every layer reuses them. K/V of the step are stored by a Triton kernel
 before attention, and attention reads every key from the pool, so results equal `torch_native`'s
-(fp8 KV included). Decode is CUDA-graph capturable: the graph hooks fill static copies of the same
-metadata (`_GraphState`), and nothing here reads device values back to the host. A captured graph
+(fp8 KV included). Decode is CUDA-graph capturable: the metadata lives in static buffers
+(`_GraphState`) and its build (one kernel over the graph's static req_pool_indices/seq_lens) is
+captured INTO the graph by `init_forward_metadata_in_graph`, so a replay only copies inputs and
+launches; nothing here reads device values back to the host. A captured graph
 fixes the decode grid, so its number of KV splits is chosen for the longest possible context; each
 request still splits only its own length (short requests leave the extra programs idle).
 """
@@ -18,7 +20,7 @@ import torch
 from sglx.attention.kernels.common import interpreted, num_sms
 from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
-from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
+from sglx.attention.kernels.kv_indices import build_kv_metadata
 from sglx.attention.kernels.store_kv import store_kv
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
 from sglx.errors import BackendUnavailableError
@@ -47,6 +49,7 @@ class _GraphState:
     mid_lse: torch.Tensor  # flat float32 scratch, viewed per bucket as [bs, Hq, splits]
     max_context: int
     metas: dict[int, _Metadata]
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # bs -> the graph's static (req_pool_indices, seq_lens)
 
 
 class TritonBackend(AttentionBackend):
@@ -70,11 +73,11 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------ metadata
     def _indices(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.ctx.device
-        seq_lens = batch.seq_lens.to(device=device, dtype=torch.int32)
-        kv_indptr = build_kv_indptr(seq_lens)
+        bs = batch.batch_size
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
         kv_indices = torch.empty(sum(batch.seq_lens_cpu), dtype=torch.int32, device=device)
-        req_pool_indices = batch.req_pool_indices.to(device)
-        build_kv_indices(batch.req_to_token_pool.req_to_token, req_pool_indices, kv_indptr, kv_indices)
+        build_kv_metadata(batch.req_to_token_pool.req_to_token, batch.req_pool_indices.to(device),
+                          batch.seq_lens.to(device), kv_indptr, kv_indices)
         return kv_indptr, kv_indices
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -112,14 +115,7 @@ class TritonBackend(AttentionBackend):
             kv_indices=torch.zeros(max_bs * max_context, dtype=torch.int32, device=device),
             mid_o=torch.empty(rows * hq * self.v_head_dim, dtype=torch.float32, device=device),
             mid_lse=torch.empty(rows * hq, dtype=torch.float32, device=device),
-            max_context=max_context, metas={})
-
-    def _fill_graph_indices(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        g = self.graph
-        assert g is not None, "init_cuda_graph_state must run first"
-        kv_indptr = g.kv_indptr[:bs + 1]
-        build_kv_indptr(seq_lens, out=kv_indptr)
-        build_kv_indices(self.ctx.req_to_token_pool.req_to_token, req_pool_indices, kv_indptr, g.kv_indices)
+            max_context=max_context, metas={}, inputs={})
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
@@ -131,13 +127,22 @@ class TritonBackend(AttentionBackend):
                          mid_o=g.mid_o[:bs * hq * splits * dv].view(bs, hq, splits, dv),
                          mid_lse=g.mid_lse[:bs * hq * splits].view(bs, hq, splits))
         g.metas[bs] = meta
-        self._fill_graph_indices(bs, req_pool_indices, seq_lens)
+        g.inputs[bs] = (req_pool_indices, seq_lens)
         self.meta = meta
+
+    def init_forward_metadata_in_graph(self, bs: int) -> None:
+        """kv_indptr/kv_indices from the static inputs: captured into the graph, so every replay rebuilds them."""
+        g = self.graph
+        assert g is not None and bs in g.inputs, f"no graph metadata was set up for batch size {bs}"
+        req_pool_indices, seq_lens = g.inputs[bs]
+        build_kv_metadata(self.ctx.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, g.kv_indptr[:bs + 1],
+                          g.kv_indices)
+        self.meta = g.metas[bs]
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        # nothing to launch: the graph rebuilds the indices from the buffers the runner just filled
         assert self.graph is not None and bs in self.graph.metas, f"no graph was captured for batch size {bs}"
-        self._fill_graph_indices(bs, req_pool_indices, seq_lens)
         self.meta = self.graph.metas[bs]
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
