@@ -123,3 +123,19 @@ def test_cuda_on_a_machine_without_it_is_a_clear_error() -> None:
         pytest.skip("this machine has CUDA")
     result = CliRunner().invoke(app, ["generate", "--prompt", "x", "--device", "cuda"])
     assert result.exit_code == 2 and "CUDA is not available" in result.output and "--device cpu" in result.output
+
+
+def test_text_prompts_without_a_tokenizer_fail_before_loading_weights() -> None:
+    """A shipped dummy config has no tokenizer: the error comes at once, not after building 16 GB of weights."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from sglx.cli.app import app
+
+    start = time.perf_counter()
+    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--model-path", "llama-3.1-8b",
+                                      "--load-format", "dummy"])
+    assert result.exit_code == 2
+    assert "no tokenizer.json" in result.output and "--tokenizer-path" in result.output
+    assert time.perf_counter() - start < 20

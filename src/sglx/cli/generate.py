@@ -108,9 +108,22 @@ def generate(
         raise typer.Exit(2) from None
 
 
+def _check_tokenizer(config: EngineConfig) -> None:
+    """Text prompts need a tokenizer: say so before minutes of weight loading, not after."""
+    if config.model_path is None or config.tokenizer_path:
+        return
+    if not (Path(config.model_path).expanduser() / "tokenizer.json").is_file():
+        raise SglxError(
+            f"--model-path {config.model_path} has no tokenizer.json, and sglx generate takes text prompts: "
+            "give --tokenizer-path DIR (a directory with tokenizer.json), or time dummy-weight models with "
+            "`sglx bench one-batch`"
+        )
+
+
 def _run(config: EngineConfig, prompts: list[Any], params: Any, json_output: bool) -> None:
     from sglx.llm.engine import Engine
 
+    _check_tokenizer(config)
     with Engine(config) as engine:
         info = engine.info
         backends = {"prefill": info["prefill_attention_backend"], "decode": info["decode_attention_backend"],
