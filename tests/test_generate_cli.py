@@ -129,10 +129,6 @@ def test_text_prompts_without_a_tokenizer_fail_before_loading_weights() -> None:
     """A shipped dummy config has no tokenizer: the error comes at once, not after building 16 GB of weights."""
     import time
 
-    from typer.testing import CliRunner
-
-    from sglx.cli.app import app
-
     start = time.perf_counter()
     result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--model-path", "llama-3.1-8b",
                                       "--load-format", "dummy"])
