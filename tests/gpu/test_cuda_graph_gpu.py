@@ -126,3 +126,25 @@ def test_padded_slots_write_only_the_padding_page(models) -> None:
         torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=0)
     finally:
         runner.release_memory()
+
+
+@pytest.mark.parametrize("source", ["cpu", "cuda"])
+def test_packed_input_fill_from_host_or_device_pads_and_overwrites_stale_values(source: str):
+    """One-launch fill (pinned H2D for host inputs, multi-tensor copy for device inputs) equals the per-field copy."""
+    from sglx.llm.cuda_graph_runner import DecodeInputBuffers
+    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+
+    buffers = DecodeInputBuffers(8, torch.device("cuda"))
+    buffers.packed.fill_(-7)
+    for step, (bs, bucket) in enumerate([(3, 4), (5, 8), (1, 1), (2, 4)]):
+        ids = [100 * step + i for i in range(bs)]
+        fields = {name: torch.tensor([v + k for v in ids], device=source)
+                  for k, name in enumerate(DecodeInputBuffers.FIELDS)}
+        batch = ForwardBatch(mode=ForwardMode.DECODE, req_to_token_pool=None, token_kv_pool=None,
+                             seq_lens_cpu=fields["seq_lens"].tolist(), **fields)
+        lens = buffers.fill(batch, bucket, fill_seq_len=1)
+        assert lens == fields["seq_lens"].tolist() + [1] * (bucket - bs)
+        for k, name in enumerate(DecodeInputBuffers.FIELDS):
+            pad = 1 if name == "seq_lens" else 0
+            want = [v + k for v in ids] + [pad] * (bucket - bs)
+            assert getattr(buffers, name)[:bucket].tolist() == want, (step, name)

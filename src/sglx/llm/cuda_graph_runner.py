@@ -91,29 +91,58 @@ class DecodeInputBuffers:
 
     Real requests take [0, bs); padding [bs, bucket) gets token 0 at position 0 of req_to_token row 0
     with `fill_seq_len` keys, and writes its K/V into slot 0 (the reserved padding page).
+    The five inputs are rows of ONE [5, max_bs] int64 tensor, so a step fills them with one launch
+    (device sources: one multi-tensor copy; host sources: one pinned staging buffer, one async H2D
+    copy) instead of five copies plus five padding fills: a decode step at batch 1 is launch-bound.
     """
+
+    FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+    SEQ_LENS_ROW = 3
 
     def __init__(self, max_bs: int, device: torch.device) -> None:
         self.max_bs = max_bs
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.long, device=device)
-        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.device = device
+        self.packed = torch.zeros(len(self.FIELDS), max_bs, dtype=torch.long, device=device)
+        self.packed[self.SEQ_LENS_ROW].fill_(1)
+        self.input_ids, self.positions, self.req_pool_indices, self.seq_lens, self.out_cache_loc = self.packed
+        self._host: torch.Tensor | None = None  # pinned staging for host-side inputs (CUDA only), made on first use
+        self._host_done: torch.cuda.Event | None = None  # the staging buffer's last H2D copy
 
     def fill(self, batch: ForwardBatch, bucket: int, fill_seq_len: int) -> list[int]:
         """Copy a decode batch into the buffers and pad it to `bucket`; returns the padded seq_lens (host)."""
         bs = batch.batch_size
         if not 0 < bs <= bucket <= self.max_bs:
             raise ValueError(f"cannot pad a batch of {bs} to {bucket} (buffers hold {self.max_bs})")
-        for buf, src, pad in ((self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
-                              (self.req_pool_indices, batch.req_pool_indices, 0),
-                              (self.seq_lens, batch.seq_lens, fill_seq_len),
-                              (self.out_cache_loc, batch.out_cache_loc, 0)):
-            buf[:bs].copy_(src, non_blocking=True)
+        srcs = [getattr(batch, name) for name in self.FIELDS]
+        if self.device.type == "cuda" and all(t.device.type == "cpu" for t in srcs):
+            self._fill_from_host(srcs, bs, bucket, fill_seq_len)
+        else:
+            dsts = [row[:bs] for row in self.packed]
+            if all(t.device == self.packed.device and t.dtype == torch.long for t in srcs):
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one launch for all five
+            else:
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src, non_blocking=True)
             if bucket > bs:
-                buf[bs:bucket].fill_(pad)
+                self.packed[:, bs:bucket].fill_(0)
+                self.seq_lens[bs:bucket].fill_(fill_seq_len)
         return [*batch.seq_lens_cpu, *([fill_seq_len] * (bucket - bs))]
+
+    def _fill_from_host(self, srcs: list[torch.Tensor], bs: int, bucket: int, fill_seq_len: int) -> None:
+        """Host inputs: stage them (padding included) in pinned memory, then ONE async copy to the device."""
+        if self._host is None:
+            self._host = torch.zeros(self.packed.shape, dtype=torch.long).pin_memory()
+            self._host_done = torch.cuda.Event()
+        else:
+            assert self._host_done is not None
+            self._host_done.synchronize()  # the previous step's copy must have read the staging buffer
+        host = self._host
+        for row, src in zip(host, srcs, strict=True):
+            row[:bs].copy_(src)
+        host[:, bs:bucket].fill_(0)
+        host[self.SEQ_LENS_ROW, bs:bucket].fill_(fill_seq_len)
+        self.packed.copy_(host, non_blocking=True)  # whole buffer: contiguous, one memcpy of a few KB
+        self._host_done.record()
 
     def batch(self, bucket: int, runner: ModelRunner, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE ForwardBatch over the first `bucket` entries (views: captured addresses never change)."""
