@@ -112,6 +112,9 @@ def _check_tokenizer(config: EngineConfig) -> None:
     """Text prompts need a tokenizer: say so before minutes of weight loading, not after."""
     if config.model_path is None or config.tokenizer_path:
         return
+    from sglx.llm.model_config import load_model_config
+
+    load_model_config(config.model_path)  # an unknown path gets its own, more precise error first
     if not (Path(config.model_path).expanduser() / "tokenizer.json").is_file():
         raise SglxError(
             f"--model-path {config.model_path} has no tokenizer.json, and sglx generate takes text prompts: "
