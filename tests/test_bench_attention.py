@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from sglx.cli.app import app
@@ -19,12 +18,7 @@ from sglx.cli.app import app
 FAST = ("--device", "cpu", "--warmup-ms", "0", "--rep-ms", "1")
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def bench(tmp_path: Path, *args: str) -> tuple[object, dict | None]:

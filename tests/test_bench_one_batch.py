@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from llm_test_utils import hf_greedy, load_hf_model, make_tiny_model
@@ -25,12 +24,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("one_batch"), "llama")
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def test_report_matches_hf_tokens_and_independent_byte_counts(tiny: Path, tmp_path: Path) -> None:

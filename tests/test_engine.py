@@ -34,13 +34,7 @@ TEXTS = [
 LOGPROB_ATOL = 2e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls are dominated by thread hand-off on a shared 2-core runner."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
