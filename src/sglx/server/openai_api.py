@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -129,23 +129,37 @@ async def completions(request: Request) -> Response:
                          "choices": out_choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
 
-async def _stream_completion(state: ServerState, choices: list[Choice], arrival: float, rid: str, created: int,
-                             prompt_tokens: int, include_usage: bool, top: int) -> AsyncIterator[str]:
+def _stream_completion(state: ServerState, choices: list[Choice], arrival: float, rid: str, created: int,
+                       prompt_tokens: int, include_usage: bool, top: int) -> AsyncIterator[str]:
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    extra = {"usage": None} if include_usage else {}
     logprob_state = {c.index: CompletionLogprobs(state.engine, top) for c in choices if c.logprobs}
+
+    def item(choice: Choice, chunk: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        logprobs = None
+        if choice.index in logprob_state:
+            logprobs = logprob_state[choice.index].part(chunk["output_ids"], chunk.get("logprobs") or [],
+                                                        chunk.get("top_logprobs"))
+        return {"text": chunk["text"], "logprobs": logprobs}
+
+    return _stream_events(state, choices, arrival, base, prompt_tokens, include_usage, item)
+
+
+async def _stream_events(state: ServerState, choices: list[Choice], arrival: float, base: dict[str, Any],
+                         prompt_tokens: int, include_usage: bool,
+                         item_for: Callable[[Choice, dict[str, Any], str | None], dict[str, Any]],
+                         first_items: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+    """The SSE loop both streaming routes share: an event per chunk, then usage, errors and [DONE]."""
+    extra = {"usage": None} if include_usage else {}
     completion_tokens = 0
     try:
+        for first in first_items:
+            yield _sse({**base, "choices": [first], **extra})
         async for choice, chunk in run_choices(state.engine, choices, state.metrics, arrival):
             completion_tokens += len(chunk["output_ids"])
             finish = _finish(chunk["result"]) if chunk["finished"] else None
             if not chunk["output_ids"] and not chunk["text"] and finish is None:
                 continue
-            logprobs = None
-            if choice.index in logprob_state:
-                logprobs = logprob_state[choice.index].part(chunk["output_ids"], chunk.get("logprobs") or [],
-                                                            chunk.get("top_logprobs"))
-            item: dict[str, Any] = {"index": choice.index, "text": chunk["text"], "logprobs": logprobs,
+            item: dict[str, Any] = {"index": choice.index, **item_for(choice, chunk, finish),
                                     "finish_reason": finish}
             if finish is not None:
                 item["matched_stop"] = _matched(chunk["result"])
@@ -195,34 +209,19 @@ async def chat_completions(request: Request) -> Response:
                          "choices": out_choices, "usage": _usage(len(ids), completion_tokens)})
 
 
-async def _stream_chat(state: ServerState, choices: list[Choice], arrival: float, rid: str, created: int,
-                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+def _stream_chat(state: ServerState, choices: list[Choice], arrival: float, rid: str, created: int,
+                 prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
-    extra = {"usage": None} if include_usage else {}
-    completion_tokens = 0
-    try:
-        for c in choices:  # the first chunk of every choice names the role, as OpenAI's does
-            role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            yield _sse({**base, "choices": [role], **extra})
-        async for choice, chunk in run_choices(state.engine, choices, state.metrics, arrival):
-            completion_tokens += len(chunk["output_ids"])
-            finish = _finish(chunk["result"]) if chunk["finished"] else None
-            if not chunk["output_ids"] and not chunk["text"] and finish is None:
-                continue
-            logprobs = None
-            if choice.logprobs:
-                logprobs = chat_logprobs(state.engine, chunk["output_ids"], chunk.get("logprobs") or [],
-                                         chunk.get("top_logprobs") if choice.top_logprobs else None)
-            delta = {"content": chunk["text"]} if chunk["text"] or finish is None else {}
-            item: dict[str, Any] = {"index": choice.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": finish}
-            if finish is not None:
-                item["matched_stop"] = _matched(chunk["result"])
-            yield _sse({**base, "choices": [item], **extra})
-        if include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-    except Exception as exc:  # noqa: BLE001 - reported in the stream; the HTTP status was already sent
-        state.log_stream_error(exc)
-        yield _stream_error(exc)
-    yield "data: [DONE]\n\n"
+    # the first chunk of every choice names the role, as OpenAI's does
+    roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None} for c in choices]
+
+    def item(choice: Choice, chunk: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        logprobs = None
+        if choice.logprobs:
+            logprobs = chat_logprobs(state.engine, chunk["output_ids"], chunk.get("logprobs") or [],
+                                     chunk.get("top_logprobs") if choice.top_logprobs else None)
+        delta = {"content": chunk["text"]} if chunk["text"] or finish is None else {}
+        return {"delta": delta, "logprobs": logprobs}
+
+    return _stream_events(state, choices, arrival, base, prompt_tokens, include_usage, item, roles)
