@@ -80,10 +80,14 @@ def decode_variant(name: str, page: int, fp8: torch.dtype | None, q: torch.Tenso
     auto = choose_num_kv_splits(bs, HKV, ctx, num_sms(DEV))
     configs = [DecodeConfig()]
     if sweep:  # (block_n, num_warps, num_stages) around the default (64, 4, 3)
-        others = ((64, 4, 4), (128, 4, 3), (32, 4, 3), (64, 8, 3)) if fp8 is None else \
-            ((128, 4, 3), (128, 4, 4), (64, 4, 4), (64, 8, 3), (128, 8, 3))
-        configs += [DecodeConfig(block_n=bn, num_warps=nw, num_stages=st) for bn, nw, st in others]
-    splits_list = [auto] + ([s for s in (1, 4) if s != auto] if sweep else [])
+        if fp8 is None:
+            others = ((64, 4, 4), (128, 4, 3), (32, 4, 3), (64, 8, 3))
+            configs += [DecodeConfig(block_n=bn, num_warps=nw, num_stages=st) for bn, nw, st in others]
+        else:  # how fp8 is converted (see DecodeConfig.fp8_convert) x tile shapes
+            others = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (32, 4, 3))
+            configs += [DecodeConfig(block_n=bn, num_warps=nw, num_stages=st, fp8_convert=cvt)
+                        for cvt in ("cast", "ptx_v", "ptx_kv") for bn, nw, st in others]
+    splits_list = [auto] + ([s for s in (1, 4) if s != auto] if sweep and fp8 is None else [])
     rows = []
     for cfg in configs:
         for splits in splits_list:
@@ -178,17 +182,19 @@ def prefill_case(prefix: int, new: int, sweep: bool) -> dict:
         mask = torch.ones(new, ctx, dtype=torch.bool, device=DEV).tril(prefix)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref_tok = ref.transpose(1, 2).reshape(bs * new, heads, DIM)
-    configs = [ExtendConfig()]
-    if sweep:
-        configs += [ExtendConfig(*c) for c in ((128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 4, 4), (128, 128, 4, 3),
-                                               (128, 64, 4, 3))]
+    configs = [(ExtendConfig(), True), (ExtendConfig(), False)]
+    if sweep:  # (block_m, block_n, warps, stages) x new tokens read from their contiguous rows or the pool
+        configs += [(ExtendConfig(*c), ext) for c in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+                                                      (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 4))
+                    for ext in (True, False)]
     rows = []
-    for cfg in configs:
+    for cfg, ext in configs:
         out = torch.empty_like(q_tok)
 
-        def run(cfg=cfg, out=out) -> None:
-            extend_attention(q_tok, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, DIM ** -0.5, config=cfg)
-        row: dict = dict(config=cfg.__dict__, default=cfg == ExtendConfig())
+        def run(cfg=cfg, out=out, ext=ext) -> None:
+            extend_attention(q_tok, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, DIM ** -0.5, config=cfg,
+                             k_ext=k_new if ext else None, v_ext=v_new if ext else None)
+        row: dict = dict(config=cfg.__dict__, ext_rows=ext, default=cfg == ExtendConfig() and ext)
         try:
             run()
             row["max_abs_err_vs_sdpa"] = (out.float() - ref_tok.float()).abs().max().item()
@@ -196,7 +202,7 @@ def prefill_case(prefix: int, new: int, sweep: bool) -> dict:
             row["tflops"] = flops / row["ms"] / 1e9
             if cudnn_ms:
                 row["ratio_tflops_to_cudnn"] = cudnn_ms / row["ms"]
-            print(f"prefill prefix={prefix} new={new} {cfg}: {row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s "
+            print(f"prefill prefix={prefix} new={new} {cfg} ext={ext}: {row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s "
                   f"err={row['max_abs_err_vs_sdpa']:.2e}", flush=True)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

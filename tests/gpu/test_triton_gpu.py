@@ -41,10 +41,17 @@ DECODE = [
 ]
 
 
+FP8_CONVERTS = [None, "cast", "ptx_v", "ptx_kv"]  # None: the default for this device
+
+
+@pytest.mark.parametrize("fp8_convert", FP8_CONVERTS)
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype,scales,window,cap", DECODE)
-def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, scales, window, cap):
+def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, scales, window, cap, fp8_convert):
     from sglx.attention.kernels.common import num_sms
-    from sglx.attention.kernels.decode_attention import choose_num_kv_splits, decode_attention
+    from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
+
+    if fp8_convert is not None and (kv_cache_dtype == "auto" or torch.cuda.get_device_capability() < (8, 9)):
+        pytest.skip("fp8 conversion paths apply to fp8 KV; the PTX ones need sm_89+")
     from triton_interpreted.paged import make_paged_cache, reference_attention
 
     lens = [1, 4096, 2500, 17, 1300, 3000, 600, 257]
@@ -60,7 +67,7 @@ def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     mid_lse = torch.empty(len(lens), hq, splits, device=DEV)
     decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=pool.k_scale[0],
-                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype)
+                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, config=DecodeConfig(fp8_convert=fp8_convert))
     torch.cuda.synchronize()
     for i, n in enumerate(lens):
         ref = reference_attention(q[i:i + 1], cache.keys[i], cache.values[i], torch.tensor([n - 1]), dim ** -0.5,
@@ -81,8 +88,9 @@ EXTEND = [
 ]
 
 
+@pytest.mark.parametrize("ext", [False, True], ids=["pool-only", "new-rows-from-ext"])
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype,window,cap", EXTEND)
-def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap):
+def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap, ext):
     from sglx.attention.kernels.extend_attention import extend_attention
     from sglx.attention.kernels.kv_indices import build_kv_indptr
     from sglx.attention.kernels.store_kv import store_kv
@@ -104,7 +112,7 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
     extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype)
+                     fp8_dtype=pool.fp8_dtype, k_ext=k_new if ext else None, v_ext=v_new if ext else None)
     torch.cuda.synchronize()
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):

@@ -135,8 +135,10 @@ EXTEND_CASES = [
 ]
 
 
+@pytest.mark.parametrize("ext", [False, True], ids=["pool-only", "new-rows-from-ext"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap", EXTEND_CASES)
-def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap):
+def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap,
+                                                   ext):
     prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]  # no prefix, a decode-like row, both, an empty row
     lens = [p + n for p, n in zip(prefix, new)]
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
@@ -152,7 +154,8 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
     out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
     extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, interpret=True)
+                     fp8_dtype=pool.fp8_dtype, interpret=True,
+                     k_ext=k_new.to(dtype) if ext else None, v_ext=v_new.to(dtype) if ext else None)
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):
         ref = reference_attention(q[row:row + n], cache.keys[i], cache.values[i], torch.arange(p, p + n),
@@ -160,3 +163,24 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
         err = (out[row:row + n].double() - ref).abs().max().item() if n else 0.0
         assert err <= TOL[dtype], (i, err)
         row += n
+
+
+def test_extend_reads_new_tiles_from_ext_rows():
+    """The ext path is really taken: poisoned ext rows change a no-prefix request, not a prefix-only tile."""
+    prefix, new = [0, 20], [40, 3]
+    lens = [p + n for p, n in zip(prefix, new)]
+    cache = make_paged_cache(lens, 1, 1, 64, torch.float32, fill=lens, seed=3)
+    kv_indptr, kv_indices = _indices(cache, lens)
+    qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
+    q = torch.randn(sum(new), 2, 64, generator=torch.Generator().manual_seed(4))
+    k_new = torch.cat([k[p:] for k, p in zip(cache.raw_keys, prefix)])
+    v_new = torch.cat([v[p:] for v, p in zip(cache.raw_values, prefix)])
+    runs = []
+    for k_ext in (k_new, torch.zeros_like(k_new)):
+        out = torch.empty(sum(new), 2, 64)
+        extend_attention(q, cache.pool.k_buffer[0], cache.pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices,
+                         max(new), 0.125, interpret=True, k_ext=k_ext, v_ext=v_new)
+        runs.append(out)
+    assert not torch.allclose(runs[0][:40], runs[1][:40])  # request 0: every key tile is this step's
+    # request 1's three new keys share a tile with its prefix (20 is not a multiple of 16): read from the pool
+    assert torch.equal(runs[0][40:], runs[1][40:])

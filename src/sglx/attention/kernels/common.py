@@ -56,6 +56,35 @@ def fp8_bits_to_value(x, FMT: tl.constexpr):
 
 
 @triton.jit
+def fp8_bits_to_f16_asm(x, FMT: tl.constexpr):
+    """uint8 bits of fp8 -> float16 with the sm_89+ paired converts (exact: every e4m3/e5m2 value is an fp16).
+
+    Written as inline PTX so the compiler keeps the conversion in the load's register layout: left to
+    itself it moves the cast after the shared-memory read of the dot operand, where a transposed 8-bit
+    tile (V) can only be read one byte per instruction.
+    """
+    if FMT == 1:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    return y
+
+
+@triton.jit
+def kv_tile_to_compute(x, FMT: tl.constexpr, PTX: tl.constexpr, dtype: tl.constexpr):
+    """A loaded K/V tile in the dtype its dot runs in: float16 through inline PTX, else a cast to `dtype`."""
+    if PTX:  # noqa: SIM108 - a statement keeps the untaken branch out of the compiled kernel
+        y = fp8_bits_to_f16_asm(x, FMT)
+    else:
+        y = fp8_bits_to_value(x, FMT).to(dtype)
+    return y
+
+
+@triton.jit
 def value_to_fp8_bits(x, FMT: tl.constexpr):
     """float32 -> uint8 bits of e4m3fn (FMT 1) or e5m2 (FMT 2), round-to-nearest-even.
 

@@ -39,13 +39,25 @@ class ExtendConfig:
 def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
-    offs_d, offs_dv, d_mask, dv_mask,
+    offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    FROM_EXT: tl.constexpr,
 ):
-    """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks."""
+    """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
+
+    FROM_EXT reads the keys from this step's contiguous K/V rows (ext_row0 + key position) instead of
+    gathering pool slots: no index load sits in front of the tile loads, so they pipeline freely.
+    """
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if MASKED:
+        if FROM_EXT:
+            rows = (ext_row0 + offs_n).to(tl.int64)
+            n_mask = offs_n < kv_len
+            k = tl.load(K_Ext + rows[None, :] * stride_ekt + kv_head * stride_ekh + offs_d[:, None],
+                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(V_Ext + rows[:, None] * stride_evt + kv_head * stride_evh + offs_dv[None, :],
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+        elif MASKED:
             n_mask = offs_n < kv_len
             slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
@@ -71,9 +83,10 @@ def _extend_tiles(
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices,
+    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext,
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ekt, stride_ekh, stride_evt, stride_evh, EXT: tl.constexpr,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -113,18 +126,30 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc, l_i, m_i = _extend_tiles(
-            acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
-            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
-            dv_mask, BLOCK_N, True, FMT, SOFTCAP, IEEE)
-        acc, l_i, m_i = _extend_tiles(
-            acc, l_i, m_i, q, q_pos, full_lo, full_hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
-            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
-            dv_mask, BLOCK_N, False, FMT, SOFTCAP, IEEE)
-        acc, l_i, m_i = _extend_tiles(
-            acc, l_i, m_i, q, q_pos, full_hi, q_last + 1, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
-            qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, offs_dv, d_mask,
-            dv_mask, BLOCK_N, True, FMT, SOFTCAP, IEEE)
+        ext_row0 = q_start - prefix  # row of key position p in K_Ext/V_Ext: ext_row0 + p
+        # tiles wholly inside this step's tokens may come from K_Ext/V_Ext; the one straddling the
+        # prefix boundary, and every prefix tile, come from the pool
+        if EXT:  # noqa: SIM108 - constexpr branch, resolved at compile time
+            ext_lo = tl.cdiv(prefix, BLOCK_N) * BLOCK_N
+        else:
+            ext_lo = kv_len + BLOCK_N  # past every key: the pool serves them all
+        ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
+                       stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
+                       stride_ekt, stride_ekh, stride_evt, stride_evh)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False)
+        mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False)
+        if EXT:
+            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True)
+        diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False)
+        if EXT:
+            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -132,7 +157,7 @@ def _extend_kernel(
                  mask=m_mask[:, None] & dv_mask[None, :])
 
 
-def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool
+def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool
             ) -> tuple[int, int, int, int]:
     if interpret:
         return config.block_m or 16, config.block_n or 16, 1, 1
@@ -140,8 +165,11 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
         block_m, block_n, warps, stages = 64, 64, 4, 1
     elif head_dim > 128:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif torch.cuda.get_device_capability(device)[0] >= 9:  # H100 sweep: 128x128/8 warps was fastest
-        block_m, block_n, warps, stages = 128, 128, 8, 3
+    elif torch.cuda.get_device_capability(device)[0] >= 9:
+        # H100 sweep, B4 H32 D128: keys mostly from this step's rows (4096 new, no prefix): 128x64 with
+        # 8 warps 399 TFLOP/s vs 128x128 362; mostly gathered from the pool (512 new on 4096 cached):
+        # 128x128 325 vs 128x64 273
+        block_m, block_n, warps, stages = (128, 64, 8, 3) if ext_heavy else (128, 128, 8, 3)
     else:  # ~100-164 KB shared memory: 128x64 tiles fit with 3 stages
         block_m, block_n, warps, stages = 128, 64, 4, 3
     return (config.block_m or block_m, config.block_n or block_n, config.num_warps or warps,
@@ -154,9 +182,15 @@ def extend_attention(
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
     config: ExtendConfig = ExtendConfig(), interpret: bool = False,
+    k_ext: torch.Tensor | None = None, v_ext: torch.Tensor | None = None, prefix_tokens: int = 0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (request i's rows qo_indptr[i]:qo_indptr[i+1]) -> out [T, Hq, Dv]; request i's keys are
-    kv_indices[kv_indptr[i]:kv_indptr[i+1]], its new tokens being the last ones (already stored)."""
+    kv_indices[kv_indptr[i]:kv_indptr[i+1]], its new tokens being the last ones (already stored).
+
+    k_ext/v_ext [T, Hkv, D] (optional): this step's K/V rows, aligned with q. With a native-dtype pool they
+    hold exactly what was stored, and the new tokens' tiles are read from them instead of gathered
+    from the pool. An fp8 pool ignores them, so both paths see the same quantized keys. prefix_tokens (the
+    batch's cached keys, known on the host) only picks the tile shape."""
     num_tokens, hq, dim = q.shape
     bs = qo_indptr.shape[0] - 1
     if q.stride(-1) != 1:
@@ -165,15 +199,23 @@ def extend_attention(
         return out
     hkv = k_buffer.shape[1]
     dim_v = v_buffer.shape[-1]
-    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret)
+    ext = k_ext is not None and v_ext is not None and fp8_dtype is None
+    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret,
+                                                      ext and prefix_tokens <= num_tokens)
     softcap = logit_cap > 0
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
+    if ext:
+        k_ext = k_ext.reshape(num_tokens, hkv, -1)
+        v_ext = v_ext.reshape(num_tokens, hkv, -1)
+    else:
+        k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
     _extend_kernel[grid](
-        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext, v_ext,
         qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), EXT=ext,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,

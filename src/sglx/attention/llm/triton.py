@@ -35,6 +35,7 @@ class _Metadata:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int32 slots
     qo_indptr: torch.Tensor | None = None  # extend: [bs + 1] int32
     max_extend_len: int = 0
+    prefix_tokens: int = 0  # extend: cached keys of the whole batch (picks the kernel's tile shape)
     mid_o: torch.Tensor | None = None  # decode: [bs, Hq, splits, Dv] float32
     mid_lse: torch.Tensor | None = None  # decode: [bs, Hq, splits] float32
 
@@ -98,6 +99,7 @@ class TritonBackend(AttentionBackend):
                 indptr.append(indptr[-1] + n)
             meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.ctx.device)
             meta.max_extend_len = max(lens, default=0)
+            meta.prefix_tokens = sum(batch.extend_prefix_lens_cpu or [])
         self.meta = meta
 
     # ------------------------------------------------------------------ CUDA graphs (decode only)
@@ -173,7 +175,7 @@ class TritonBackend(AttentionBackend):
         return extend_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.qo_indptr,
             meta.kv_indptr, meta.kv_indices, meta.max_extend_len, layer.scaling, config=self.extend_config,
-            **self._kernel_args(layer, batch))
+            k_ext=k, v_ext=v, prefix_tokens=meta.prefix_tokens, **self._kernel_args(layer, batch))
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
