@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglx.attention.llm.base import LayerSpec
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from sglx.llm.layers.linear import Linear, linear
 from sglx.llm.model_config import ModelConfig
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -41,8 +41,8 @@ class LlamaSelfAttention(nn.Module):
         d = config.head_dim
         self.q_size = config.num_heads * d
         self.kv_size = config.num_kv_heads * d
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(LayerSpec(
@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_layers
         self.model = LlamaModel(config)
         # tied models read the embedding matrix directly, so no second parameter can drift from it
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
 
     @property
@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if not batch.return_all_logits and not batch.mode.is_decode:  # decode: one token per request already
             hidden = hidden[batch.last_token_indices()]
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     # ---------------------------------------------------------------- weights
 

@@ -1,0 +1,32 @@
+"""nn.Linear whose few-row (decode) products stream the weights through sglx's skinny Triton GEMM.
+
+Same parameters and state-dict names as nn.Linear, so checkpoints load unchanged. The skinny path runs
+only where it was measured to help: CUDA tensors in bf16/fp16 with at most MAX_ROWS rows, fused
+kernels switched on (`SGLX_FUSED_KERNELS`); everything else, CPU included, is F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglx.llm.kernels import use_fused
+
+SKINNY_ROWS = 16  # = sglx.llm.kernels.skinny_gemm.MAX_ROWS (that module imports triton)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the skinny GEMM for a decode-sized CUDA half-precision input."""
+    if (x.numel() <= SKINNY_ROWS * x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
+            and weight.stride(-1) == 1 and use_fused(x)):
+        from sglx.llm.kernels.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
