@@ -46,7 +46,7 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
             ref = F.linear(x, w)
-            cublas = median_ms(lambda x=x: F.linear(x, w))
+            cublas = median_ms(lambda x=x, w=w: F.linear(x, w))
             configs = [SkinnyConfig()] + (SWEEP if args.sweep and rows == 1 else [])
             for cfg in configs:
                 row = dict(shape=name, n=n, k=k, rows=rows, config=cfg.__dict__, default=cfg == SkinnyConfig(),
@@ -54,7 +54,7 @@ def main() -> None:
                 try:
                     out = skinny_linear(x, w, config=cfg)
                     row["max_abs_diff_vs_cublas"] = (out.float() - ref.float()).abs().max().item()
-                    ms = median_ms(lambda x=x, cfg=cfg: skinny_linear(x, w, config=cfg))
+                    ms = median_ms(lambda x=x, w=w, cfg=cfg: skinny_linear(x, w, config=cfg))
                     row.update(ms=ms, gb_s=n * k * 2 / ms / 1e6, ratio_to_cublas=ms / cublas)
                     print(f"{name} rows={rows} {cfg}: {ms * 1e3:.1f} us ({row['gb_s']:.0f} GB/s) vs cuBLAS "
                           f"{cublas * 1e3:.1f} us ({row['cublas_gb_s']:.0f} GB/s) x{ms / cublas:.3f} "
@@ -68,8 +68,9 @@ def main() -> None:
     print("\nsummary (default config):")
     for r in results["cases"]:
         if r["default"] and "ms" in r:
-            print(f"  {r['shape']:>12} rows {r['rows']:>2}: {r['ms'] * 1e3:7.1f} us vs cuBLAS {r['cublas_ms'] * 1e3:7.1f} us"
-                  f"  x{r['ratio_to_cublas']:.3f}  ({r['gb_s']:.0f} vs {r['cublas_gb_s']:.0f} GB/s)")
+            print(f"  {r['shape']:>12} rows {r['rows']:>2}: {r['ms'] * 1e3:7.1f} us vs cuBLAS "
+                  f"{r['cublas_ms'] * 1e3:7.1f} us  x{r['ratio_to_cublas']:.3f}  "
+                  f"({r['gb_s']:.0f} vs {r['cublas_gb_s']:.0f} GB/s)")
 
 
 if __name__ == "__main__":
