@@ -2,10 +2,13 @@
 
 Same parameters and state-dict names as nn.Linear, so checkpoints load unchanged. The skinny path runs
 only where it was measured to help: CUDA tensors in bf16/fp16 with at most MAX_ROWS rows, fused
-kernels switched on (`SGLX_FUSED_KERNELS`); everything else, CPU included, is F.linear.
+kernels switched on (`SGLX_FUSED_KERNELS`) and `SGLX_SKINNY_GEMM` not 0; everything else, CPU
+included, is F.linear.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +18,12 @@ from sglx.llm.kernels import use_fused
 
 SKINNY_ROWS = 16  # = sglx.llm.kernels.skinny_gemm.MAX_ROWS (that module imports triton)
 _HALF = (torch.bfloat16, torch.float16)
+_SKINNY = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the skinny GEMM for a decode-sized CUDA half-precision input."""
-    if (x.numel() <= SKINNY_ROWS * x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
+    if (_SKINNY and x.numel() <= SKINNY_ROWS * x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and use_fused(x)):
         from sglx.llm.kernels.skinny_gemm import skinny_linear
 
