@@ -32,14 +32,18 @@ def test_skinny_gemm_at_llama_sizes_matches_float64(n, k, rows, dtype):
     assert err <= 2 * (ref.double() - want).abs().max().item() + 1e-6, err
 
 
-def test_linear_layer_takes_the_skinny_path_only_for_few_half_rows(monkeypatch):
+def test_linear_layer_takes_the_skinny_path_only_for_few_half_rows_of_large_weights(monkeypatch):
     from sglx.llm.kernels import skinny_gemm
+    from sglx.llm.layers import linear as linear_mod
     from sglx.llm.layers.linear import Linear
 
     calls = []
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     layer = Linear(256, 512, bias=True).to(DEV, torch.bfloat16)
+    layer(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16))  # 256 KB: below the default threshold
+    assert calls == []
+    monkeypatch.setattr(linear_mod, "_SKINNY_MIN_MB", 0.0)
     for rows in (1, 16, 17):
         x = torch.randn(rows, 256, device=DEV, dtype=torch.bfloat16)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)

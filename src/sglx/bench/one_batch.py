@@ -141,11 +141,19 @@ def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth
     prefill_s = time.perf_counter() - started
     outputs = [tokens]
     steps = []
+    gpu_steps: list[float] = []  # CUDA-event time of the step's device work (the rest of a step is host)
     for step in range(config.output_len - 1):
         t0 = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         tokens = run.decode(tokens, step)
+        if device.type == "cuda":
+            end.record()
         _sync(device)
         steps.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            gpu_steps.append(start.elapsed_time(end) * 1e-3)
         outputs.append(tokens)
     total_s = time.perf_counter() - started
     step_ms = statistics.median(steps) * 1e3
@@ -158,7 +166,9 @@ def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth
         "batch_size": bs, "input_len": config.input_len, "output_len": config.output_len,
         "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": bs * config.input_len / prefill_s,
         "decode_steps": len(steps), "decode_step_ms_median": step_ms, "decode_step_ms_min": min(steps) * 1e3,
-        "decode_step_ms_max": max(steps) * 1e3, "decode_tokens_per_s": bs / (step_ms * 1e-3),
+        "decode_step_ms_max": max(steps) * 1e3,
+        "decode_step_device_ms_median": statistics.median(gpu_steps) * 1e3 if gpu_steps else None,
+        "decode_tokens_per_s": bs / (step_ms * 1e-3),
         "decode_steps_in_cuda_graphs": graph_steps, "total_ms": total_s * 1e3,
         "weight_bytes_per_step": weights, "kv_bytes_per_step": kv_bytes, "floor_ms": floor_ms,
         "ratio_to_floor": step_ms / floor_ms,

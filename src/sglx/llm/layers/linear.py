@@ -18,12 +18,15 @@ from sglx.llm.kernels import use_fused
 
 SKINNY_ROWS = 16  # = sglx.llm.kernels.skinny_gemm.MAX_ROWS (that module imports triton)
 _HALF = (torch.bfloat16, torch.float16)
-_SKINNY = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in ("0", "false", "off", "no")
+# smallest weight (MB) sent to the skinny GEMM; SGLX_SKINNY_GEMM=0 turns it off, =all sends every weight
+_SKINNY_MIN_MB = {"0": None, "off": None, "false": None, "no": None, "all": 0.0}.get(
+    os.environ.get("SGLX_SKINNY_GEMM", "").strip().lower(), 512.0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the skinny GEMM for a decode-sized CUDA half-precision input."""
-    if (_SKINNY and x.numel() <= SKINNY_ROWS * x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
+    if (_SKINNY_MIN_MB is not None and weight.numel() * weight.element_size() >= _SKINNY_MIN_MB * 2**20
+            and x.numel() <= SKINNY_ROWS * x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
             and weight.stride(-1) == 1 and use_fused(x)):
         from sglx.llm.kernels.skinny_gemm import skinny_linear
 
