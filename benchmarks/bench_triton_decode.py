@@ -24,7 +24,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from sglx.attention.kernels.common import num_sms
-from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
+from sglx.attention.kernels.decode_attention import (
+    DecodeConfig,
+    choose_num_kv_splits,
+    decode_attention,
+    semaphore_count,
+)
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
 from sglx.attention.kernels.store_kv import store_kv
@@ -95,9 +100,11 @@ def decode_variant(name: str, page: int, fp8: torch.dtype | None, q: torch.Tenso
             mid_o = torch.empty(bs, HQ, splits, DIM, device=DEV)
             mid_lse = torch.empty(bs, HQ, splits, device=DEV)
 
-            def run(cfg=cfg, out=out, mid_o=mid_o, mid_lse=mid_lse) -> None:
+            sems = torch.zeros(semaphore_count(bs, HQ, HKV), dtype=torch.int32, device=DEV)
+
+            def run(cfg=cfg, out=out, mid_o=mid_o, mid_lse=mid_lse, sems=sems) -> None:
                 decode_attention(q, k_buf, v_buf, out, kv_indptr, kv_indices, mid_o, mid_lse, DIM ** -0.5,
-                                 fp8_dtype=fp8, config=cfg)
+                                 fp8_dtype=fp8, config=cfg, semaphores=sems)
             row: dict = dict(config=cfg.__dict__, splits=splits, default=cfg == DecodeConfig() and splits == auto)
             try:
                 run()

@@ -49,3 +49,14 @@ def test_linear_layer_takes_the_skinny_path_only_for_few_half_rows_of_large_weig
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
     layer.float()(torch.randn(2, 256, device=DEV))  # float32 stays on cuBLAS
     assert calls == [torch.Size([1, 256]), torch.Size([16, 256])]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_down_projection_with_the_activation_inside_equals_two_kernels(rows):
+    from sglx.llm.kernels.activation import silu_and_mul
+    from sglx.llm.kernels.skinny_gemm import skinny_linear
+
+    gate_up = torch.randn(rows, 2 * 14336, device=DEV, dtype=torch.bfloat16) * 3
+    w = torch.randn(4096, 14336, device=DEV, dtype=torch.bfloat16) * 14336 ** -0.5
+    fused = skinny_linear(gate_up, w, silu_mul=True)
+    assert torch.equal(fused, skinny_linear(silu_and_mul(gate_up), w))

@@ -44,11 +44,18 @@ DECODE = [
 FP8_CONVERTS = [None, "cast", "ptx_v", "ptx_kv"]  # None: the default for this device
 
 
+@pytest.mark.parametrize("merge", ["second-kernel", "last-split"])
 @pytest.mark.parametrize("fp8_convert", FP8_CONVERTS)
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype,scales,window,cap", DECODE)
-def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, scales, window, cap, fp8_convert):
+def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, scales, window, cap, fp8_convert,
+                                         merge):
     from sglx.attention.kernels.common import num_sms
-    from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
+    from sglx.attention.kernels.decode_attention import (
+        DecodeConfig,
+        choose_num_kv_splits,
+        decode_attention,
+        semaphore_count,
+    )
 
     if fp8_convert is not None and (kv_cache_dtype == "auto" or torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("fp8 conversion paths apply to fp8 KV; the PTX ones need sm_89+")
@@ -65,10 +72,15 @@ def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     out = torch.full((len(lens), hq, dim), float("nan"), device=DEV, dtype=dtype)
     mid_o = torch.empty(len(lens), hq, splits, dim, device=DEV)
     mid_lse = torch.empty(len(lens), hq, splits, device=DEV)
+    sems = (torch.zeros(semaphore_count(len(lens), hq, hkv), dtype=torch.int32, device=DEV)
+            if merge == "last-split" else None)
     decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=pool.k_scale[0],
-                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, config=DecodeConfig(fp8_convert=fp8_convert))
+                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, config=DecodeConfig(fp8_convert=fp8_convert),
+                     semaphores=sems)
     torch.cuda.synchronize()
+    if sems is not None:
+        assert sems.eq(0).all()
     for i, n in enumerate(lens):
         ref = reference_attention(q[i:i + 1], cache.keys[i], cache.values[i], torch.tensor([n - 1]), dim ** -0.5,
                                   window, cap)

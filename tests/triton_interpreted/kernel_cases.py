@@ -15,7 +15,12 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
     pytest.skip("run through tests/test_triton_kernels.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
 
-from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention  # noqa: E402
+from sglx.attention.kernels.decode_attention import (  # noqa: E402
+    DecodeConfig,
+    choose_num_kv_splits,
+    decode_attention,
+    semaphore_count,
+)
 from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E402
 from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr, build_kv_metadata  # noqa: E402
 from sglx.attention.kernels.store_kv import store_kv  # noqa: E402
@@ -104,8 +109,9 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("merge", ["second-kernel", "last-split"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap,max_splits", DECODE_CASES)
-def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits):
+def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits, merge):
     lens = [1, 70, 33]  # a one-token request, one that needs every split, one in between
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales, seed=dim)
     kv_indptr, kv_indices = _indices(cache, lens)
@@ -113,10 +119,14 @@ def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scale
     out = torch.full((len(lens), hq, dim), float("nan"), dtype=dtype)
     mid_o = torch.empty(len(lens), hq, max_splits, dim)
     mid_lse = torch.empty(len(lens), hq, max_splits)
+    sems = torch.zeros(semaphore_count(len(lens), hq, hkv), dtype=torch.int32) if merge == "last-split" else None
     pool = cache.pool
     decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16), interpret=True)
+                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16), interpret=True,
+                     semaphores=sems)
+    if sems is not None:
+        assert sems.eq(0).all()  # every launch leaves them ready for the next (graph replays rely on it)
     for i, n in enumerate(lens):
         ref = reference_attention(q[i:i + 1], cache.keys[i], cache.values[i], torch.tensor([n - 1]), dim ** -0.5,
                                   window, cap)

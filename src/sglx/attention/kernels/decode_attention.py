@@ -67,15 +67,42 @@ def _split_range(seq_len, window, split, max_splits, min_chunk, BLOCK_N: tl.cons
     chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
-    return lo, hi
+    return lo, hi, tl.cdiv(length, chunk)  # the last value: how many splits have keys
+
+
+@triton.jit
+def _merge_if_last(o_row, lse_row, out_ptr, semaphore, n_active, head_mask, hd_mask, stride_os,
+                   BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Split-KV merge by whichever split of (request, head block) finishes last: no second kernel.
+
+    The barrier orders every thread's partial-result stores before the (single-thread) acq_rel ticket;
+    the program drawing the last ticket reads all partials (bypassing L1) and resets the semaphore
+    to 0 for the next launch (CUDA graph replays included).
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_active - 1:
+        offs_s = tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_row[:, None] + offs_s[None, :], mask=head_mask[:, None] & (offs_s < n_active)[None, :],
+                      other=-1.0e30, cache_modifier=".cg")
+        top = tl.max(lse, 1)
+        denom = tl.sum(tl.exp2(lse - top[:, None]), 1)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for s in range(0, n_active):
+            w = tl.exp2(tl.load(lse_row + s, mask=head_mask, other=-1.0e30, cache_modifier=".cg") - top)
+            part = tl.load(o_row + s * stride_os, mask=hd_mask, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * part
+        tl.store(out_ptr, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
+        tl.atomic_xchg(semaphore, 0)
 
 
 @triton.jit
 def _decode_stage1(
-    Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse,
+    Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out, Semaphores,
     qk_scale, logit_cap, v_scale, window, max_splits, min_chunk,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr,
@@ -87,7 +114,7 @@ def _decode_stage1(
 
     kv_start = tl.load(Kv_Indptr + b)
     seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
-    lo, hi = _split_range(seq_len, window, split, max_splits, min_chunk, BLOCK_N)
+    lo, hi, n_active = _split_range(seq_len, window, split, max_splits, min_chunk, BLOCK_N)
     if lo < hi:
         offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = offs_g < GROUP
@@ -120,9 +147,18 @@ def _decode_stage1(
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale
-        o_ptr = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
-        tl.store(o_ptr, out, mask=head_mask[:, None] & dv_mask[None, :])
-        tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
+        hd_mask = head_mask[:, None] & dv_mask[None, :]
+        out_ptr = Out + b.to(tl.int64) * stride_out_t + heads[:, None] * stride_out_h + offs_dv[None, :]
+        if MERGE_HERE and n_active == 1:  # the only split: its output is final
+            tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=hd_mask)
+        else:
+            o_row = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+            lse_row = Mid_Lse + b * stride_lb + heads * stride_lh
+            tl.store(o_row + split * stride_os, out, mask=hd_mask)
+            tl.store(lse_row + split, m_i + tl.log2(l_i), mask=head_mask)
+            if MERGE_HERE:
+                _merge_if_last(o_row, lse_row, out_ptr, Semaphores + b * tl.num_programs(0) + tl.program_id(0),
+                               n_active, head_mask, hd_mask, stride_os, BLOCK_H, BLOCK_DV, BLOCK_S)
 
 
 @triton.jit
@@ -135,7 +171,7 @@ def _decode_stage2(
     h = tl.program_id(1)
     seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
     splits = tl.arange(0, BLOCK_S)
-    lo, hi = _split_range(seq_len, window, splits, max_splits, min_chunk, BLOCK_N)
+    lo, hi, _ = _split_range(seq_len, window, splits, max_splits, min_chunk, BLOCK_N)
     valid = (lo < hi) & (splits < max_splits)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
@@ -162,6 +198,12 @@ def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, inte
     return 1 if torch.cuda.get_device_capability(device) >= (8, 9) else 0
 
 
+def semaphore_count(batch_size: int, q_heads: int, kv_heads: int) -> int:
+    """Entries of the `semaphores` buffer a decode launch of this shape uses (one per request and head block)."""
+    group = q_heads // kv_heads
+    return batch_size * kv_heads * triton.cdiv(group, max(16, min(64, triton.next_power_of_2(group))))
+
+
 def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool) -> tuple[int, int, int]:
     if interpret:
         return config.block_n or 16, 1, 1
@@ -175,10 +217,14 @@ def decode_attention(
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
-    config: DecodeConfig = DecodeConfig(), interpret: bool = False,
+    config: DecodeConfig = DecodeConfig(), interpret: bool = False, semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request: q [bs, Hq, D], out [bs, Hq, Dv]; mid_o [bs, Hq, max_splits, Dv] and
-    mid_lse [bs, Hq, max_splits] (float32) are scratch whose split dimension sets `max_splits`."""
+    mid_lse [bs, Hq, max_splits] (float32) are scratch whose split dimension sets `max_splits`.
+
+    semaphores: int32 zeros with at least `semaphore_count(bs, Hq, Hkv)` entries, left zero again by
+    every launch (keep one buffer per stream). With them the last split of each request merges the
+    splits in the same kernel; without, a second kernel does."""
     bs, hq, dim = q.shape
     hkv = k_buffer.shape[1]
     if q.stride(-1) != 1:
@@ -196,15 +242,21 @@ def decode_attention(
     window = int(sliding_window or 0)
     fmt = kv_format(fp8_dtype)
     ieee = q.dtype == torch.float32
+    merge_here = semaphores is not None
+    if merge_here and semaphores.numel() < bs * hkv * head_blocks:
+        raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {bs * hkv * head_blocks}")
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
         qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits),
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
         CVT=_fp8_convert_code(config, fmt, q.device, interpret), num_warps=num_warps, num_stages=num_stages,
     )
+    if merge_here:
+        return out
     _decode_stage2[(bs, hq)](
         mid_o, mid_lse, out, kv_indptr, window, max_splits, config.min_chunk,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from sglx.attention.kernels.common import interpreted, num_sms
-from sglx.attention.kernels.decode_attention import DecodeConfig, choose_num_kv_splits, decode_attention
+from sglx.attention.kernels.decode_attention import (
+    DecodeConfig,
+    choose_num_kv_splits,
+    decode_attention,
+    semaphore_count,
+)
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_metadata
 from sglx.attention.kernels.store_kv import store_kv
@@ -38,6 +43,7 @@ class _Metadata:
     prefix_tokens: int = 0  # extend: cached keys of the whole batch (picks the kernel's tile shape)
     mid_o: torch.Tensor | None = None  # decode: [bs, Hq, splits, Dv] float32
     mid_lse: torch.Tensor | None = None  # decode: [bs, Hq, splits] float32
+    semaphores: torch.Tensor | None = None  # decode: int32 zeros for the in-kernel split merge
 
 
 @dataclass
@@ -48,6 +54,7 @@ class _GraphState:
     kv_indices: torch.Tensor  # [max_bs * max_context] int32
     mid_o: torch.Tensor  # flat float32 scratch, viewed per bucket as [bs, Hq, splits, Dv]
     mid_lse: torch.Tensor  # flat float32 scratch, viewed per bucket as [bs, Hq, splits]
+    semaphores: torch.Tensor  # int32 zeros for the in-kernel split merge (every launch leaves them zero)
     max_context: int
     metas: dict[int, _Metadata]
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # bs -> the graph's static (req_pool_indices, seq_lens)
@@ -70,6 +77,14 @@ class TritonBackend(AttentionBackend):
         self.v_head_dim = ctx.token_kv_pool.v_head_dim
         self.meta: _Metadata | None = None
         self.graph: _GraphState | None = None
+        self._semaphores = torch.zeros(0, dtype=torch.int32, device=ctx.device)  # eager decode; grown on demand
+
+    def _eager_semaphores(self, bs: int) -> torch.Tensor:
+        need = semaphore_count(bs, self.ctx.num_q_heads, self.ctx.num_kv_heads)
+        if self._semaphores.numel() < need:
+            self._semaphores = torch.zeros(max(need, 2 * self._semaphores.numel()), dtype=torch.int32,
+                                           device=self.ctx.device)
+        return self._semaphores
 
     # ------------------------------------------------------------------ metadata
     def _indices(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +107,7 @@ class TritonBackend(AttentionBackend):
                                      device=self.ctx.device)
             meta.mid_lse = torch.empty((bs, self.ctx.num_q_heads, splits), dtype=torch.float32,
                                        device=self.ctx.device)
+            meta.semaphores = self._eager_semaphores(bs)
         else:
             lens = batch.extend_seq_lens_cpu
             indptr = [0]
@@ -117,6 +133,8 @@ class TritonBackend(AttentionBackend):
             kv_indices=torch.zeros(max_bs * max_context, dtype=torch.int32, device=device),
             mid_o=torch.empty(rows * hq * self.v_head_dim, dtype=torch.float32, device=device),
             mid_lse=torch.empty(rows * hq, dtype=torch.float32, device=device),
+            semaphores=torch.zeros(semaphore_count(max_bs, hq, self.ctx.num_kv_heads), dtype=torch.int32,
+                                   device=device),
             max_context=max_context, metas={}, inputs={})
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
@@ -127,7 +145,7 @@ class TritonBackend(AttentionBackend):
         hq, dv = self.ctx.num_q_heads, self.v_head_dim
         meta = _Metadata(g.kv_indptr[:bs + 1], g.kv_indices,
                          mid_o=g.mid_o[:bs * hq * splits * dv].view(bs, hq, splits, dv),
-                         mid_lse=g.mid_lse[:bs * hq * splits].view(bs, hq, splits))
+                         mid_lse=g.mid_lse[:bs * hq * splits].view(bs, hq, splits), semaphores=g.semaphores)
         g.metas[bs] = meta
         g.inputs[bs] = (req_pool_indices, seq_lens)
         self.meta = meta
@@ -189,4 +207,5 @@ class TritonBackend(AttentionBackend):
         pool = batch.token_kv_pool
         return decode_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.kv_indptr, meta.kv_indices,
-            meta.mid_o, meta.mid_lse, layer.scaling, config=self.decode_config, **self._kernel_args(layer, batch))
+            meta.mid_o, meta.mid_lse, layer.scaling, config=self.decode_config, semaphores=meta.semaphores,
+            **self._kernel_args(layer, batch))

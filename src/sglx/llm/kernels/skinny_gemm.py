@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglx.llm.kernels.rounding import round_to
+
 MAX_ROWS = 16  # larger batches go to cuBLAS: their GEMMs are no longer pure weight streams
 
 
@@ -33,7 +35,7 @@ class SkinnyConfig:
 def _skinny_gemm_kernel(
     X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -44,15 +46,19 @@ def _skinny_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_mask[:, None],
-                        other=0.0)
+            x_mask = m_mask[:, None]
+            w_mask = n_mask[:, None]
         else:
-            k_mask = offs_k < K
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & (offs_k < K)[None, :]
+            w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        if SILU_MUL:  # X is [gate | up]: the activation is made here, rounded as silu_and_mul rounds it
+            up = tl.load(X + offs_m[:, None] * stride_xm + K + offs_k[None, :], mask=x_mask, other=0.0)
+            dt = X.dtype.element_ty
+            g = x.to(tl.float32)
+            act = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), dt)
+            x = round_to(act * up.to(tl.float32), dt).to(dt)
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -70,10 +76,18 @@ def _launch(n: int, k: int, sms: int, config: SkinnyConfig, interpret: bool) -> 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig = SkinnyConfig(), interpret: bool = False) -> torch.Tensor:
-    """F.linear for x with at most MAX_ROWS rows (any leading shape); weight [N, K] contiguous rows."""
-    *lead, k = x.shape
-    x2 = x.reshape(-1, k)
+                  config: SkinnyConfig = SkinnyConfig(), interpret: bool = False, silu_mul: bool = False
+                  ) -> torch.Tensor:
+    """F.linear for x with at most MAX_ROWS rows (any leading shape); weight [N, K] contiguous rows.
+
+    silu_mul: x is a gate_up output [..., 2K] and the product is down(silu(gate) * up), the activation
+    made while loading x (one kernel instead of two, same roundings as `silu_and_mul`).
+    """
+    *lead, width = x.shape
+    k = weight.shape[1]
+    if width != (2 * k if silu_mul else k):
+        raise ValueError(f"x's last dim {width} does not fit a weight of {k} inputs (silu_mul={silu_mul})")
+    x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], weight.shape[0]
@@ -88,6 +102,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, num_stages=stages,
+        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages,
     )
     return y.reshape(*lead, n)

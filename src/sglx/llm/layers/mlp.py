@@ -1,7 +1,8 @@
 """SiLU-gated MLP (SwiGLU) with gate and up projections fused into one matmul.
 
 On CUDA tensors silu(gate) * up runs as one Triton kernel over the gate_up output (same roundings);
-CPU runs the torch code.
+for decode-sized bf16/fp16 batches it is made inside the skinny down-projection GEMM instead (one
+kernel fewer per layer). CPU runs the torch code.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.kernels import use_fused
-from sglx.llm.layers.linear import Linear
+from sglx.llm.layers.linear import Linear, skinny_eligible
 
 
 class GatedMLP(nn.Module):
@@ -25,6 +26,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if skinny_eligible(gate_up, down.weight):  # decode: activation made inside the down GEMM
+            from sglx.llm.kernels.skinny_gemm import skinny_linear
+
+            return skinny_linear(gate_up, down.weight, down.bias, silu_mul=True)
         if use_fused(gate_up):
             from sglx.llm.kernels.activation import silu_and_mul
 
