@@ -41,7 +41,8 @@ def test_linear_layer_takes_the_skinny_path_only_for_few_half_rows_of_large_weig
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     layer = Linear(256, 512, bias=True).to(DEV, torch.bfloat16)
-    layer(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16))  # 256 KB: below the default threshold
+    monkeypatch.setattr(linear_mod, "_SKINNY_MIN_MB", 1.0)
+    layer(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16))  # 256 KB: below that threshold
     assert calls == []
     monkeypatch.setattr(linear_mod, "_SKINNY_MIN_MB", 0.0)
     for rows in (1, 16, 17):
