@@ -22,7 +22,7 @@ from sglx.llm.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
 DEV = torch.device("cuda")
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
-          "down_proj": (4096, 14336), "down_proj+silu_mul": (4096, 14336), "lm_head": (128256, 4096)}
+          "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
 SWEEP = [SkinnyConfig(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)
          if bn * bk <= 64 * 256]
 
@@ -44,26 +44,17 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
         for rows in [int(r) for r in args.rows.split(",")]:
-            silu = name.endswith("silu_mul")
-            x = torch.randn(rows, 2 * k if silu else k, device=DEV, dtype=torch.bfloat16)
-            if silu:  # the baseline is the two-kernel path: silu_and_mul, then cuBLAS
-                from sglx.llm.kernels.activation import silu_and_mul
-
-                def base(x=x, w=w):
-                    return F.linear(silu_and_mul(x), w)
-            else:
-                def base(x=x, w=w):
-                    return F.linear(x, w)
-            ref = base()
-            cublas = median_ms(base)
+            x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+            ref = F.linear(x, w)
+            cublas = median_ms(lambda x=x, w=w: F.linear(x, w))
             configs = [SkinnyConfig()] + (SWEEP if args.sweep and rows == 1 else [])
             for cfg in configs:
                 row = dict(shape=name, n=n, k=k, rows=rows, config=cfg.__dict__, default=cfg == SkinnyConfig(),
                            cublas_ms=cublas, cublas_gb_s=n * k * 2 / cublas / 1e6)
                 try:
-                    out = skinny_linear(x, w, config=cfg, silu_mul=silu)
+                    out = skinny_linear(x, w, config=cfg)
                     row["max_abs_diff_vs_cublas"] = (out.float() - ref.float()).abs().max().item()
-                    ms = median_ms(lambda x=x, w=w, cfg=cfg, silu=silu: skinny_linear(x, w, config=cfg, silu_mul=silu))
+                    ms = median_ms(lambda x=x, w=w, cfg=cfg: skinny_linear(x, w, config=cfg))
                     row.update(ms=ms, gb_s=n * k * 2 / ms / 1e6, ratio_to_cublas=ms / cublas)
                     print(f"{name} rows={rows} {cfg}: {ms * 1e3:.1f} us ({row['gb_s']:.0f} GB/s) vs cuBLAS "
                           f"{cublas * 1e3:.1f} us ({row['cublas_gb_s']:.0f} GB/s) x{ms / cublas:.3f} "

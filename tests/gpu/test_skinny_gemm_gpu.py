@@ -32,32 +32,19 @@ def test_skinny_gemm_at_llama_sizes_matches_float64(n, k, rows, dtype):
     assert err <= 2 * (ref.double() - want).abs().max().item() + 1e-6, err
 
 
-def test_linear_layer_takes_the_skinny_path_only_for_few_half_rows_of_large_weights(monkeypatch):
+def test_linear_layer_takes_the_skinny_path_only_when_asked_for_few_half_rows(monkeypatch):
     from sglx.llm.kernels import skinny_gemm
-    from sglx.llm.layers import linear as linear_mod
     from sglx.llm.layers.linear import Linear
 
     calls = []
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    layer = Linear(256, 512, bias=True).to(DEV, torch.bfloat16)
-    monkeypatch.setattr(linear_mod, "_SKINNY_MIN_MB", 1.0)
-    layer(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16))  # 256 KB: below that threshold
-    assert calls == []
-    monkeypatch.setattr(linear_mod, "_SKINNY_MIN_MB", 0.0)
+    plain = Linear(256, 512, bias=True).to(DEV, torch.bfloat16)
+    plain(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16))
+    assert calls == []  # skinny=False (the default): cuBLAS
+    layer = Linear(256, 512, bias=True, skinny=True).to(DEV, torch.bfloat16)
     for rows in (1, 16, 17):
         x = torch.randn(rows, 256, device=DEV, dtype=torch.bfloat16)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
     layer.float()(torch.randn(2, 256, device=DEV))  # float32 stays on cuBLAS
     assert calls == [torch.Size([1, 256]), torch.Size([16, 256])]
-
-
-@pytest.mark.parametrize("rows", [1, 7, 16])
-def test_down_projection_with_the_activation_inside_equals_two_kernels(rows):
-    from sglx.llm.kernels.activation import silu_and_mul
-    from sglx.llm.kernels.skinny_gemm import skinny_linear
-
-    gate_up = torch.randn(rows, 2 * 14336, device=DEV, dtype=torch.bfloat16) * 3
-    w = torch.randn(4096, 14336, device=DEV, dtype=torch.bfloat16) * 14336 ** -0.5
-    fused = skinny_linear(gate_up, w, silu_mul=True)
-    assert torch.equal(fused, skinny_linear(silu_and_mul(gate_up), w))

@@ -213,22 +213,11 @@ def test_skinny_gemm_matches_float64(rows, n, k, bias, dtype):
     assert ((got.double() - want).abs() <= step).all()
 
 
-def test_skinny_gemm_refuses_a_wide_batch():
+def test_skinny_gemm_refuses_a_wide_batch_and_a_wrong_width():
     from sglx.llm.kernels.skinny_gemm import MAX_ROWS, skinny_linear
 
     with pytest.raises(ValueError, match="at most"):
         skinny_linear(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8), interpret=True)
-
-
-@pytest.mark.parametrize("rows,inner", [(1, 64), (5, 48)])
-def test_skinny_gemm_with_silu_mul_equals_activation_then_gemm(rows, inner):
-    """The activation made while loading x is bit-identical to silu_and_mul's, so the products are too."""
-    from sglx.llm.kernels.skinny_gemm import skinny_linear
-
-    gate_up = _randn(rows, 2 * inner, dtype=torch.float16, seed=5, scale=2.0)
-    w = _randn(24, inner, dtype=torch.float16, seed=6, scale=0.2)
-    fused = skinny_linear(gate_up, w, silu_mul=True, interpret=True)
-    two_step = skinny_linear(silu_and_mul(gate_up), w, interpret=True)
-    assert torch.equal(fused, two_step)
     with pytest.raises(ValueError, match="does not fit"):
-        skinny_linear(gate_up, w, interpret=True)
+        skinny_linear(torch.zeros(2, 8), torch.zeros(4, 16), interpret=True)
+

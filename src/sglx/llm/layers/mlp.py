@@ -1,8 +1,7 @@
 """SiLU-gated MLP (SwiGLU) with gate and up projections fused into one matmul.
 
 On CUDA tensors silu(gate) * up runs as one Triton kernel over the gate_up output (same roundings);
-for decode-sized bf16/fp16 batches it is made inside the skinny down-projection GEMM instead (one
-kernel fewer per layer). CPU runs the torch code.
+CPU runs the torch code.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.kernels import use_fused
-from sglx.llm.layers.linear import Linear, skinny_eligible
 
 
 class GatedMLP(nn.Module):
@@ -21,16 +19,11 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if skinny_eligible(gate_up, down.weight):  # decode: activation made inside the down GEMM
-            from sglx.llm.kernels.skinny_gemm import skinny_linear
-
-            return skinny_linear(gate_up, down.weight, down.bias, silu_mul=True)
         if use_fused(gate_up):
             from sglx.llm.kernels.activation import silu_and_mul
 

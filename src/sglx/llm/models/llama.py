@@ -41,8 +41,8 @@ class LlamaSelfAttention(nn.Module):
         d = config.head_dim
         self.q_size = config.num_heads * d
         self.kv_size = config.num_kv_heads * d
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, skinny=True)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(LayerSpec(
@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # tied models read the embedding matrix directly, so no second parameter can drift from it
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+                                                                         bias=False, skinny=True)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
