@@ -131,6 +131,38 @@ def test_rotary_in_place_on_qkv_views_equals_the_torch_path(dtype, rope, head_di
     assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, "auto"), (torch.float16, "auto"),
+                                                   (torch.bfloat16, "auto"), (torch.float16, "fp8_e4m3"),
+                                                   (torch.bfloat16, "fp8_e5m2")])
+def test_rotary_and_store_equals_rotary_then_store_kv(dtype, kv_cache_dtype):
+    """The fused launch leaves q/k and the KV pool exactly as apply_rotary_ followed by store_kv do."""
+    from sglx.attention.kernels.store_kv import store_kv
+    from sglx.llm.kernels.rotary import apply_rotary_and_store_
+    from sglx.llm.kv_cache import TokenKVPool
+
+    hq, hkv, dim, tokens = 6, 2, 80, 5
+    rot = RotaryEmbedding(dim, 10000.0, None)
+    cos, sin = rot.cos_sin(torch.tensor([0, 3, 9, 100, 2]), dtype)
+    qkv = _randn(tokens, (hq + 2 * hkv) * dim, dtype=dtype, seed=11, scale=2.0)
+    loc = torch.tensor([7, 2, 12, 5, 9])
+    results = []
+    for fused in (True, False):
+        pool = TokenKVPool(16, 1, 1, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, device="cpu")
+        pool.k_scale[0], pool.v_scale[0] = (0.5, 2.0) if pool.is_fp8 else (1.0, 1.0)
+        q, k, v = qkv.clone().split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+        q, k, v = q.reshape(tokens, hq, dim), k.reshape(tokens, hkv, dim), v.reshape(tokens, hkv, dim)
+        args = (pool.k_buffer[0], pool.v_buffer[0], loc, pool.k_scale[0], pool.v_scale[0], pool.fp8_dtype)
+        if fused:
+            apply_rotary_and_store_(q, k, v, cos, sin, *args)
+        else:
+            apply_rotary_(q, k, cos, sin)
+            store_kv(k, v, *args)
+        results.append((q, k, pool.k_buffer[0].clone(), pool.v_buffer[0].clone()))
+    for got, want in zip(*results):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert results[0][2][loc].ne(0).any()  # the slots were really written
+
+
 def test_rotary_rejects_what_it_cannot_rotate():
     q, k = torch.zeros(2, 1, 6), torch.zeros(2, 1, 6)
     with pytest.raises(ValueError, match="shapes"):

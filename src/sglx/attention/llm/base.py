@@ -59,6 +59,15 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (indices, plans) once; every layer reuses it."""
 
+    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
+        """Optionally rotate q/k in place AND store this step's K/V in one kernel; True if it did.
+
+        A backend that returns True has already written the KV cache: the layer then calls `forward`
+        with save_kv_cache=False. The default does nothing (the layer rotates, `forward` stores).
+        """
+        return False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]."""

@@ -30,6 +30,10 @@ class HybridAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._for(batch).init_forward_metadata(batch)
 
+    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
+        return self._for(batch).rotary_and_save(q, k, v, cos, sin, layer, batch)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         return self._for(batch).forward(q, k, v, layer, batch, save_kv_cache)

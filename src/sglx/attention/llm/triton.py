@@ -175,6 +175,22 @@ class TritonBackend(AttentionBackend):
                  pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], batch.out_cache_loc,
                  pool.k_scale[layer.layer_id], pool.v_scale[layer.layer_id], pool.fp8_dtype)
 
+    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
+        """Rotary on q/k with the K/V store folded in (one launch per layer instead of two), CUDA only."""
+        from sglx.llm.kernels import use_fused
+
+        if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
+            return False
+        from sglx.llm.kernels.rotary import apply_rotary_and_store_
+
+        pool = batch.token_kv_pool
+        i = layer.layer_id
+        apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
+                                pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
+                                pool.fp8_dtype)
+        return True
+
     def _kernel_args(self, layer: LayerSpec, batch: ForwardBatch) -> dict:
         pool = batch.token_kv_pool
         return dict(sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,

@@ -4,6 +4,8 @@ cos/sin are the step's table [T, head_dim] (row t = token t's position, built on
 `RotaryEmbedding.cos_sin`), so the kernel only looks rows up. The arithmetic repeats torch's
 `q * cos + rotate_half(q) * sin` in q's dtype: each product is rounded to the dtype, then the sum, so
 the result equals the torch path bit for bit (FMA contraction is switched off for the same reason).
+`apply_rotary_and_store_` also writes the rotated K and the V of each token to its KV-pool slot, so
+an attention backend that uses it (triton) saves the separate K/V store launch of every layer.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from sglx.attention.kernels.common import value_to_fp8_bits
 from sglx.llm.kernels.rounding import round_to
 
 
 @triton.jit
 def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  DT: tl.constexpr):
+                  DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr):
+    """Rotate n_heads rows of one token in place; STORE also writes them (fp8-encoded when FMT) to Buf."""
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
@@ -28,29 +32,58 @@ def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.con
         o2 = round_to(round_to(x2 * c, DT) + round_to(x1 * s, DT), DT)
         tl.store(ptr, o1.to(DT), mask=mask)
         tl.store(ptr + HALF, o2.to(DT), mask=mask)
+        if STORE:
+            dst = Buf + heads[:, None] * stride_bh + offs_d[None, :]
+            tl.store(dst, _encode(o1, scale, FMT, Buf.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, _encode(o2, scale, FMT, Buf.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _encode(x, scale, FMT: tl.constexpr, BUF_DT: tl.constexpr):
+    """A float32 value already rounded to the model dtype -> what the KV pool stores (as `store_kv` does)."""
+    if FMT == 0:  # noqa: SIM108 - constexpr branch: the untaken side is never compiled
+        y = x.to(BUF_DT)
+    else:
+        y = value_to_fp8_bits(x / scale, FMT)
+    return y
 
 
 @triton.jit
 def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_ct, stride_st, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+                   stride_ct, stride_st, V, K_Buf, V_Buf, Loc, k_scale, v_scale, stride_vt, stride_vh,
+                   stride_bkt, stride_bkh, stride_bvt, stride_bvh,
+                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   STORE: tl.constexpr, FMT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
     c = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     dt = Q.dtype.element_ty
-    _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt)
-    _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt)
+    _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt,
+                  K_Buf, 0, 1.0, False, 0)
+    if STORE:  # this token's K goes to its KV slot on the way, and V is copied there too
+        slot = tl.load(Loc + t).to(tl.int64)
+        _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
+                      K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        for h0 in range(0, n_k_heads, BLOCK_HK):
+            heads = h0 + tl.arange(0, BLOCK_HK)
+            mask = (heads < n_k_heads)[:, None] & (offs_dv < DV)[None, :]
+            v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :], mask=mask, other=0.0)
+            tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
+                     _encode(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
+    else:
+        _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
+                      K, 0, 1.0, False, 0)
 
 
 def _heads_block(n_heads: int, block_d: int) -> int:
     return max(1, min(triton.next_power_of_2(n_heads), max(1, 4096 // block_d)))
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D] (views with any row/head stride)."""
-    tokens, n_q, dim = q.shape
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    tokens, _, dim = q.shape
     if k.shape[0] != tokens or k.shape[2] != dim or cos.shape != (tokens, dim) or sin.shape != cos.shape:
         raise ValueError(f"rotary shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
@@ -60,12 +93,49 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError("rotary rotates in place and needs unit stride along the head dim")
     if q.dtype != k.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype:
         raise ValueError(f"rotary dtypes differ: q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}")
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D] (views with any row/head stride)."""
+    _launch(q, k, cos, sin, None)
+
+
+def apply_rotary_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                            k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None) -> None:
+    """apply_rotary_, and this step's rotated K and its V written to their KV slots `loc` in the same kernel.
+
+    Stores exactly what `store_kv` would (the pool dtype, or uint8 bits of fp8(x / scale)), one launch
+    fewer per layer.
+    """
+    if v.shape[:2] != k.shape[:2] or loc.shape[0] != k.shape[0]:
+        raise ValueError(f"v {tuple(v.shape)} / loc {tuple(loc.shape)} do not fit k {tuple(k.shape)}")
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _launch(q, k, cos, sin, (v, k_buffer, v_buffer, loc, float(k_scale), float(v_scale), fp8_dtype))
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None) -> None:
+    from sglx.attention.kernels.common import kv_format, padded_dim
+
+    _check(q, k, cos, sin)
+    tokens, n_q, dim = q.shape
     if tokens == 0:
         return
     half = dim // 2
     block_d = triton.next_power_of_2(half)
     n_k = k.shape[1]
+    if store is None:
+        v, k_buf, v_buf, loc, k_scale, v_scale, fmt = k, k, k, k, 1.0, 1.0, 0
+        strides = (0,) * 6
+    else:
+        v, k_buf, v_buf, loc, k_scale, v_scale, fp8_dtype = store
+        fmt = kv_format(fp8_dtype)
+        strides = (v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
+    dim_v = v.shape[-1]
     _rotary_kernel[(tokens,)](
         q, k, cos, sin, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        v, k_buf, v_buf, loc, k_scale, v_scale, *strides,
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=_heads_block(n_q, block_d), BLOCK_HK=_heads_block(n_k, block_d),
+        STORE=store is not None, FMT=fmt, DV=dim_v, BLOCK_DV=padded_dim(dim_v),
         num_warps=4, enable_fp_fusion=False)

@@ -18,7 +18,8 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                save_kv_cache: bool = True) -> torch.Tensor:
         """q [T, Hq*D] or [T, Hq, D], k/v [T, Hkv*D] or [T, Hkv, D] -> [T, Hq*D]."""
         if batch.attn_backend is None:
             raise RuntimeError("ForwardBatch.attn_backend is not set; the model runner must attach a backend")
@@ -27,7 +28,7 @@ class Attention(nn.Module):
         q = q.reshape(tokens, spec.num_q_heads, spec.head_dim)
         k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(tokens, spec.num_kv_heads, spec.head_dim)
-        out = batch.attn_backend.forward(q, k, v, spec, batch)
+        out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv_cache)
         return out.reshape(tokens, spec.num_q_heads * spec.head_dim)
 
     def extra_repr(self) -> str:

@@ -66,6 +66,9 @@ class LlamaSelfAttention(nn.Module):
         k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        backend = batch.attn_backend
+        if backend is not None and backend.rotary_and_save(q, k, v, cos, sin, spec, batch):
+            return self.o_proj(self.attn(q, k, v, batch, save_kv_cache=False))  # K/V already in the pool
         q, k = RotaryEmbedding.apply(q, k, cos, sin)
         return self.o_proj(self.attn(q, k, v, batch))
 
