@@ -54,18 +54,13 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
                    stride_bkt, stride_bkh, stride_bvt, stride_bvh,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    STORE: tl.constexpr, FMT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # one program per (token, part): q, k (+ its store) and the V copy run side by side, so a decode
+    # step of one request is not a single program walking all three in turn
     t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HALF
-    c = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    part = tl.program_id(1)
     dt = Q.dtype.element_ty
-    _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt,
-                  K_Buf, 0, 1.0, False, 0)
-    if STORE:  # this token's K goes to its KV slot on the way, and V is copied there too
+    if part == 2:  # STORE only: this token's V to its slot
         slot = tl.load(Loc + t).to(tl.int64)
-        _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                      K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT)
         offs_dv = tl.arange(0, BLOCK_DV)
         for h0 in range(0, n_k_heads, BLOCK_HK):
             heads = h0 + tl.arange(0, BLOCK_HK)
@@ -74,8 +69,20 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
             tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
                      _encode(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
     else:
-        _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                      K, 0, 1.0, False, 0)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HALF
+        c = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        if part == 0:
+            _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt,
+                          K_Buf, 0, 1.0, False, 0)
+        elif STORE:  # this token's K goes to its KV slot on the way
+            slot = tl.load(Loc + t).to(tl.int64)
+            _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
+                          K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT)
+        else:
+            _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
+                          K, 0, 1.0, False, 0)
 
 
 def _heads_block(n_heads: int, block_d: int) -> int:
@@ -133,7 +140,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         fmt = kv_format(fp8_dtype)
         strides = (v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
     dim_v = v.shape[-1]
-    _rotary_kernel[(tokens,)](
+    _rotary_kernel[(tokens, 3 if store is not None else 2)](
         q, k, cos, sin, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         v, k_buf, v_buf, loc, k_scale, v_scale, *strides,
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=_heads_block(n_q, block_d), BLOCK_HK=_heads_block(n_k, block_d),
