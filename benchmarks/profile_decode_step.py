@@ -120,6 +120,29 @@ def main() -> None:
             host_ms), graph_replay_only_ms=statistics.median(replay_ms), replays=gr.replays)
         print("decode bs1:", out["decode_bs1"], flush=True)
 
+        # host cost of each piece of a step, timed after a sync (the GPU idles while the host does these)
+        pieces: dict[str, list[float]] = {k: [] for k in ("make_batch", "fill_inputs", "graph_replay_call",
+                                                          "argmax_call", "sync_after_gpu")}
+        for step in range(50, 60):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = run.decode_batch(tokens, step)
+            t1 = time.perf_counter()
+            gr.buffers.fill(batch, bucket, gr.fill_seq_len)
+            t2 = time.perf_counter()
+            graph.replay()
+            t3 = time.perf_counter()
+            tokens = gr.outputs[bucket][:1].argmax(-1)
+            t4 = time.perf_counter()
+            torch.cuda.synchronize()
+            t5 = time.perf_counter()
+            torch.cuda.synchronize()
+            t6 = time.perf_counter()
+            for key, dt in zip(pieces, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5), strict=True):
+                pieces[key].append(dt * 1e3)
+        out["decode_bs1_host_pieces_ms"] = {k: statistics.median(v) for k, v in pieces.items()}
+        print("host pieces (ms):", {k: round(v, 4) for k, v in out["decode_bs1_host_pieces_ms"].items()}, flush=True)
+
         # profile 5 decode steps
         steps = 5
         from torch.profiler import ProfilerActivity, profile

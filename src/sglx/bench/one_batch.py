@@ -116,13 +116,15 @@ class _BatchRun:
 
     def decode(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Decode step `step` (0-based): token at position input_len + step."""
+        return self.runner.forward(self.decode_batch(tokens, step)).argmax(-1)
+
+    def decode_batch(self, tokens: torch.Tensor, step: int) -> ForwardBatch:
         pos = self.input_len + step
-        batch = ForwardBatch(
+        return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=tokens, positions=torch.full((self.bs,), pos, device=self.device),
             req_pool_indices=self.rows, seq_lens=torch.full((self.bs,), pos + 1, device=self.device),
             out_cache_loc=self.slots[:, pos], req_to_token_pool=self.runner.req_to_token_pool,
             token_kv_pool=self.runner.token_kv_pool, seq_lens_cpu=[pos + 1] * self.bs)
-        return self.runner.forward(batch).argmax(-1)
 
 
 def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth: float) -> dict[str, Any]:
