@@ -103,6 +103,12 @@ class _BatchRun:
         table = runner.req_to_token_pool.req_to_token
         table[1:self.bs + 1, :per_request] = self.slots.to(table.dtype)
         self.prompts = prompts.to(self.device)
+        # every decode step's positions, seq_lens and KV slots laid out ahead (row = step): a step takes
+        # contiguous views instead of launching fills, as a scheduler keeping device-side state would
+        steps = torch.arange(self.input_len, per_request, device=self.device)
+        self.step_positions = steps[:, None].expand(-1, self.bs).contiguous()
+        self.step_seq_lens = self.step_positions + 1
+        self.step_slots = self.slots.t()[self.input_len:].contiguous()
 
     def prefill(self) -> torch.Tensor:
         bs, n = self.bs, self.input_len
@@ -121,10 +127,10 @@ class _BatchRun:
     def decode_batch(self, tokens: torch.Tensor, step: int) -> ForwardBatch:
         pos = self.input_len + step
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=tokens, positions=torch.full((self.bs,), pos, device=self.device),
-            req_pool_indices=self.rows, seq_lens=torch.full((self.bs,), pos + 1, device=self.device),
-            out_cache_loc=self.slots[:, pos], req_to_token_pool=self.runner.req_to_token_pool,
-            token_kv_pool=self.runner.token_kv_pool, seq_lens_cpu=[pos + 1] * self.bs)
+            mode=ForwardMode.DECODE, input_ids=tokens, positions=self.step_positions[step],
+            req_pool_indices=self.rows, seq_lens=self.step_seq_lens[step], out_cache_loc=self.step_slots[step],
+            req_to_token_pool=self.runner.req_to_token_pool, token_kv_pool=self.runner.token_kv_pool,
+            seq_lens_cpu=[pos + 1] * self.bs)
 
 
 def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth: float) -> dict[str, Any]:
