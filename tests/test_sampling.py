@@ -45,6 +45,16 @@ def test_greedy_is_argmax_and_ignores_generators() -> None:
     assert sample(logits, params, [None, None], [[], []], [[], []]) == [1, 0]
 
 
+def test_precomputed_greedy_ids_are_used_only_without_penalties() -> None:
+    """The decode graph's argmax stands in for logits.argmax, but a penalty changes the winner."""
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9]])
+    marker = torch.tensor([2, 2])  # not the argmax: shows which source was read
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert sample(logits, greedy, [None, None], [[], []], [[], []], greedy_ids=marker) == [2, 2]
+    penalized = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    assert sample(logits, penalized, [None, None], [[], []], [[1], [0]], greedy_ids=torch.tensor([0, 0])) == [1, 2]
+
+
 def test_seeded_sampling_is_independent_of_batch_composition() -> None:
     torch.manual_seed(1)
     steps = [torch.randn(3, 50) for _ in range(20)]

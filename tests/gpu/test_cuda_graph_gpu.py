@@ -114,6 +114,7 @@ def test_padded_slots_write_only_the_padding_page(models) -> None:
                              req_to_token_pool=runner.req_to_token_pool, token_kv_pool=pool, seq_lens_cpu=lens)
         graphed = runner.forward(batch).clone()
         assert runner.graph_runner.replays == 1 and graphed.shape[0] == 3
+        assert torch.equal(runner.last_greedy_ids, graphed.argmax(-1))  # the argmax captured in the graph
         allowed = {0, *out_loc.tolist()}
         for old, new in zip(before, (*pool.k_buffer, *pool.v_buffer)):
             changed = set((old != new).any(-1).any(-1).nonzero().flatten().tolist())
@@ -122,6 +123,7 @@ def test_padded_slots_write_only_the_padding_page(models) -> None:
         for old, buf in zip(before, (*pool.k_buffer, *pool.v_buffer)):
             buf.copy_(old)
         eager = runner.forward(batch)
+        assert runner.last_greedy_ids is None  # eager steps leave the argmax to the sampler
         runner.graph_runner = saved
         torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=0)
     finally:

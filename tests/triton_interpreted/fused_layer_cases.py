@@ -253,3 +253,15 @@ def test_skinny_gemm_refuses_a_wide_batch_and_a_wrong_width():
     with pytest.raises(ValueError, match="does not fit"):
         skinny_linear(torch.zeros(2, 8), torch.zeros(4, 16), interpret=True)
 
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 2048), (2, 17), (2, 2 * 2048 + 1)])
+def test_greedy_argmax_equals_torch_argmax_with_ties_to_the_lowest_index(rows, vocab):
+    from sglx.llm.kernels.argmax import greedy_argmax
+
+    logits = _randn(rows, vocab, dtype=torch.float32, seed=vocab)
+    logits[0, vocab - 1] = logits[0, vocab // 2] = 50.0  # a tie across chunks: the lower index wins
+    if rows > 1:
+        logits[1, :] = 0.0  # all equal: index 0
+    got = greedy_argmax(logits, interpret=True)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))

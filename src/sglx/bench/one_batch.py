@@ -122,7 +122,9 @@ class _BatchRun:
 
     def decode(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Decode step `step` (0-based): token at position input_len + step."""
-        return self.runner.forward(self.decode_batch(tokens, step)).argmax(-1)
+        logits = self.runner.forward(self.decode_batch(tokens, step))
+        greedy = self.runner.last_greedy_ids  # computed inside the CUDA graph when one ran
+        return greedy if greedy is not None else logits.argmax(-1)
 
     def decode_batch(self, tokens: torch.Tensor, step: int) -> ForwardBatch:
         pos = self.input_len + step

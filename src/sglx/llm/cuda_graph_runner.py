@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+from sglx.llm.kernels import use_fused
 
 if TYPE_CHECKING:
     from sglx.llm.model_runner import ModelRunner
@@ -165,6 +166,8 @@ class CudaGraphRunner:
         self.buffers = DecodeInputBuffers(self.max_bs, runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # per bucket: argmax of the logits, captured with them
+        self.last_greedy: torch.Tensor | None = None  # greedy tokens of the latest replay (a view)
         self.replays = 0
         runner.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         started = time.perf_counter()
@@ -191,15 +194,27 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
                     backend.init_forward_metadata_in_graph(bucket)
-                    self.runner.model(batch)
+                    self._greedy_of(self.runner.model(batch))
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
                 out = self.runner.model(batch)
+                greedy = self._greedy_of(out)
             self.graphs[bucket] = graph
             self.outputs[bucket] = out
+            if greedy is not None:
+                self.greedy[bucket] = greedy
         torch.cuda.synchronize(self.runner.device)
+
+    @staticmethod
+    def _greedy_of(logits: torch.Tensor) -> torch.Tensor | None:
+        """Greedy tokens computed inside the graph (a few us), so greedy steps need no launch after it."""
+        if not use_fused(logits):
+            return None
+        from sglx.llm.kernels.argmax import greedy_argmax
+
+        return greedy_argmax(logits)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] of a decode batch; a view of the graph's output, valid until the next replay."""
@@ -212,4 +227,6 @@ class CudaGraphRunner:
                                                                     b.seq_lens[:bucket], seq_lens_cpu)
         self.graphs[bucket].replay()
         self.replays += 1
+        greedy = self.greedy.get(bucket)
+        self.last_greedy = greedy[:bs] if greedy is not None else None
         return self.outputs[bucket][:bs]

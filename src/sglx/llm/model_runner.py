@@ -112,6 +112,9 @@ class ModelRunner:
             self.device, self.selection.decode, bool(self.backend.supports_cuda_graph), config.disable_cuda_graph,
             config.cuda_graph_max_bs, self.memory.max_running_requests)
         self.graph_runner: CudaGraphRunner | None = None
+        # argmax of the latest forward's logits when a CUDA graph computed it (else None): the sampler's
+        # greedy rows and bench one-batch read it instead of launching an argmax
+        self.last_greedy_ids: torch.Tensor | None = None
         if self.cuda_graph.enabled:
             self.graph_runner = CudaGraphRunner(self, self.cuda_graph)
         else:
@@ -204,8 +207,11 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (every token if return_all_logits)."""
         batch.attn_backend = self.backend
+        self.last_greedy_ids = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
+            logits = self.graph_runner.replay(batch)
+            self.last_greedy_ids = self.graph_runner.last_greedy
+            return logits
         self.backend.init_forward_metadata(batch)
         return self.model(batch).float()
 

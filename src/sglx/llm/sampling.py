@@ -129,15 +129,21 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> list[int]:
-    """Next token of every request from its logits row [bs, V]."""
+           prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
+           greedy_ids: torch.Tensor | None = None) -> list[int]:
+    """Next token of every request from its logits row [bs, V].
+
+    greedy_ids: the rows' argmax if already computed (inside the decode CUDA graph); used when no
+    penalty changes the logits.
+    """
     logits = logits.float()
-    if any(p.has_penalties for p in params):
+    penalties = any(p.has_penalties for p in params)
+    if penalties:
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.has_penalties:
                 apply_penalties(logits[i], p, prompt_ids[i], output_ids[i])
-    out = logits.argmax(dim=-1).tolist()
+    out = (greedy_ids if greedy_ids is not None and not penalties else logits.argmax(dim=-1)).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

@@ -498,9 +498,11 @@ class Scheduler:
                 to_sample.append(i)
         if to_sample:
             picked = [reqs[i] for i in to_sample]
-            rows = logits[to_sample] if len(to_sample) < len(reqs) else logits
+            every = len(to_sample) == len(reqs)
+            rows = logits if every else logits[to_sample]
+            greedy = self.runner.last_greedy_ids if every else None
             tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
-                            [r.input_ids for r in picked], [r.output_ids for r in picked])
+                            [r.input_ids for r in picked], [r.output_ids for r in picked], greedy_ids=greedy)
             logprobs = None
             top: list[list[tuple[int, float]]] | None = None
             if any(r.return_logprob for r in picked):
