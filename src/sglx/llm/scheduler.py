@@ -500,7 +500,8 @@ class Scheduler:
             picked = [reqs[i] for i in to_sample]
             every = len(to_sample) == len(reqs)
             rows = logits if every else logits[to_sample]
-            greedy = self.runner.last_greedy_ids if every else None
+            # argmax made inside the decode graph, when the runner has one (test doubles need not)
+            greedy = getattr(self.runner, "last_greedy_ids", None) if every else None
             tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
                             [r.input_ids for r in picked], [r.output_ids for r in picked], greedy_ids=greedy)
             logprobs = None
