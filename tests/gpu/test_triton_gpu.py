@@ -105,7 +105,6 @@ EXTEND = [
 def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap, ext):
     from sglx.attention.kernels.extend_attention import extend_attention
     from sglx.attention.kernels.kv_indices import build_kv_indptr
-    from sglx.attention.kernels.store_kv import store_kv
     from triton_interpreted.paged import make_paged_cache, reference_attention
 
     prefix, new = [0, 1000, 37, 2048, 5], [1500, 300, 1, 700, 129]
@@ -114,10 +113,7 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     cache = make_paged_cache(lens, page, hkv, dim, dtype, device=DEV, kv_cache_dtype=kv_cache_dtype, scales=scales,
                              fill=prefix, seed=dim + 1)
     pool = cache.pool
-    loc = torch.cat([cache.slots(i, p, n) for i, (p, n) in enumerate(zip(prefix, lens))])
-    k_new = torch.cat([k[p:] for k, p in zip(cache.raw_keys, prefix)])
-    v_new = torch.cat([v[p:] for v, p in zip(cache.raw_values, prefix)])
-    store_kv(k_new, v_new, pool.k_buffer[0], pool.v_buffer[0], loc, *scales, pool.fp8_dtype)
+    k_new, v_new = cache.store_new(prefix, scales)
     kv_indptr, kv_indices = _indices(cache, lens)
     qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32, device=DEV))
     q = torch.randn(sum(new), hq, dim, device=DEV, dtype=dtype)

@@ -154,10 +154,7 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
                              fill=prefix, seed=dim + 1)
     pool = cache.pool
-    loc = torch.cat([cache.slots(i, p, n) for i, (p, n) in enumerate(zip(prefix, lens))])
-    k_new = torch.cat([k[p:] for k, p in zip(cache.raw_keys, prefix)])
-    v_new = torch.cat([v[p:] for v, p in zip(cache.raw_values, prefix)])
-    store_kv(k_new, v_new, pool.k_buffer[0], pool.v_buffer[0], loc, *scales, pool.fp8_dtype)
+    k_new, v_new = cache.store_new(prefix, scales)
     kv_indptr, kv_indices = _indices(cache, lens)
     qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
     q = torch.randn(sum(new), hq, dim, generator=torch.Generator().manual_seed(2)).to(dtype)

@@ -45,6 +45,16 @@ class PagedCache:
     def slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
         return self.r2t.req_to_token[self.rows[i], lo:hi].long()
 
+    def store_new(self, prefix: list[int], scales: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store each request's tokens past prefix[i] with store_kv, as an extend step does; return their raw K/V."""
+        from sglx.attention.kernels.store_kv import store_kv
+
+        loc = torch.cat([self.slots(i, p, len(k)) for i, (p, k) in enumerate(zip(prefix, self.raw_keys))])
+        k_new = torch.cat([k[p:] for k, p in zip(self.raw_keys, prefix)])
+        v_new = torch.cat([v[p:] for v, p in zip(self.raw_values, prefix)])
+        store_kv(k_new, v_new, self.pool.k_buffer[0], self.pool.v_buffer[0], loc, *scales, self.pool.fp8_dtype)
+        return k_new, v_new
+
 
 def make_paged_cache(lens: list[int], page: int, hkv: int, dim: int, dtype: torch.dtype, *, device: str = "cpu",
                      kv_cache_dtype: str = "auto", scales: tuple[float, float] = (1.0, 1.0), seed: int = 0,

@@ -116,6 +116,16 @@ def value_to_fp8_bits(x, FMT: tl.constexpr):
 
 
 @triton.jit
+def encode_for_pool(x, scale, FMT: tl.constexpr, BUF_DT: tl.constexpr):
+    """float32 x (a value of the model dtype) -> what the KV pool stores: the pool dtype, or fp8(x / scale) bits."""
+    if FMT == 0:  # noqa: SIM108 - constexpr branch: the untaken side is never compiled
+        y = x.to(BUF_DT)
+    else:
+        y = value_to_fp8_bits(x / scale, FMT)
+    return y
+
+
+@triton.jit
 def soft_cap(s, cap):
     """cap * tanh(s / cap), written with exp so it runs on every Triton backend and the interpreter."""
     t = s / cap

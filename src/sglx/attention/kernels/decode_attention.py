@@ -202,10 +202,15 @@ def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, inte
     return 1 if torch.cuda.get_device_capability(device) >= (8, 9) else 0
 
 
+def _head_blocking(group: int) -> tuple[int, int]:
+    """(BLOCK_H, head blocks): a KV head's query group as the rows of one tl.dot (at least 16, at most 64)."""
+    block_h = max(16, min(64, triton.next_power_of_2(group)))
+    return block_h, triton.cdiv(group, block_h)
+
+
 def semaphore_count(batch_size: int, q_heads: int, kv_heads: int) -> int:
     """Entries of the `semaphores` buffer a decode launch of this shape uses (one per request and head block)."""
-    group = q_heads // kv_heads
-    return batch_size * kv_heads * triton.cdiv(group, max(16, min(64, triton.next_power_of_2(group))))
+    return batch_size * kv_heads * _head_blocking(q_heads // kv_heads)[1]
 
 
 def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool) -> tuple[int, int, int]:
@@ -238,8 +243,7 @@ def decode_attention(
     if bs == 0:
         return out
     group = hq // hkv
-    block_h = max(16, min(64, triton.next_power_of_2(group)))
-    head_blocks = triton.cdiv(group, block_h)
+    block_h, head_blocks = _head_blocking(group)
     block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret)
     softcap = logit_cap > 0
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
@@ -247,8 +251,8 @@ def decode_attention(
     fmt = kv_format(fp8_dtype)
     ieee = q.dtype == torch.float32
     merge_here = semaphores is not None and bs <= config.merge_max_batch
-    if merge_here and semaphores.numel() < bs * hkv * head_blocks:
-        raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {bs * hkv * head_blocks}")
+    if merge_here and semaphores.numel() < (need := semaphore_count(bs, hq, hkv)):
+        raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {need}")
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
         qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglx.attention.kernels.common import kv_format, padded_dim, value_to_fp8_bits
+from sglx.attention.kernels.common import encode_for_pool, kv_format, padded_dim
 
 
 @triton.jit
@@ -29,12 +29,8 @@ def _store_kv_kernel(
     v_mask = (offs_h[:, None] < H) & (offs_dv[None, :] < DV)
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=k_mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=v_mask)
-    if FMT == 0:
-        k = k.to(K_Buf.dtype.element_ty)
-        v = v.to(V_Buf.dtype.element_ty)
-    else:
-        k = value_to_fp8_bits(k.to(tl.float32) / k_scale, FMT)
-        v = value_to_fp8_bits(v.to(tl.float32) / v_scale, FMT)
+    k = encode_for_pool(k.to(tl.float32), k_scale, FMT, K_Buf.dtype.element_ty)
+    v = encode_for_pool(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty)
     tl.store(K_Buf + slot * stride_bkt + offs_h[:, None] * stride_bkh + offs_d[None, :], k, mask=k_mask)
     tl.store(V_Buf + slot * stride_bvt + offs_h[:, None] * stride_bvh + offs_dv[None, :], v, mask=v_mask)
 

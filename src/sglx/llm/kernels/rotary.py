@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglx.attention.kernels.common import value_to_fp8_bits
+from sglx.attention.kernels.common import encode_for_pool, kv_format, padded_dim
 from sglx.llm.kernels.rounding import round_to
 
 
@@ -34,18 +34,8 @@ def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.con
         tl.store(ptr + HALF, o2.to(DT), mask=mask)
         if STORE:
             dst = Buf + heads[:, None] * stride_bh + offs_d[None, :]
-            tl.store(dst, _encode(o1, scale, FMT, Buf.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, _encode(o2, scale, FMT, Buf.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _encode(x, scale, FMT: tl.constexpr, BUF_DT: tl.constexpr):
-    """A float32 value already rounded to the model dtype -> what the KV pool stores (as `store_kv` does)."""
-    if FMT == 0:  # noqa: SIM108 - constexpr branch: the untaken side is never compiled
-        y = x.to(BUF_DT)
-    else:
-        y = value_to_fp8_bits(x / scale, FMT)
-    return y
+            tl.store(dst, encode_for_pool(o1, scale, FMT, Buf.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, encode_for_pool(o2, scale, FMT, Buf.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -67,7 +57,7 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
             mask = (heads < n_k_heads)[:, None] & (offs_dv < DV)[None, :]
             v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :], mask=mask, other=0.0)
             tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
-                     _encode(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
+                     encode_for_pool(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
@@ -123,8 +113,6 @@ def apply_rotary_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None) -> None:
-    from sglx.attention.kernels.common import kv_format, padded_dim
-
     _check(q, k, cos, sin)
     tokens, n_q, dim = q.shape
     if tokens == 0:
