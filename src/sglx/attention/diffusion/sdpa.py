@@ -5,22 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglx.attention.diffusion.base import DiffusionAttentionBackend, DiTAttentionContext
+from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
 
 
 class TorchSDPABackend(DiffusionAttentionBackend):
     name = "torch_sdpa"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                scale: float | None = None, ctx: DiTAttentionContext | None = None) -> torch.Tensor:
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"expected q, k, v of shape [B, S, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
-        hq, hkv = q.shape[2], k.shape[2]
-        if hq % hkv:
-            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      scale: float | None = None) -> torch.Tensor:
+        check_qkv(q, k, v)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if hq != hkv:
-            kt = kt.repeat_interleave(hq // hkv, dim=1)
-            vt = vt.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        gqa = q.shape[2] != k.shape[2]
+        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)

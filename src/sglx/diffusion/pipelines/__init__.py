@@ -1,0 +1,1 @@
+"""Native sglx pipelines: diffusers' components, sglx's attention and denoising loop."""
