@@ -32,16 +32,16 @@ class KernelPackage:
 # Every optional kernel package that a backend may need. The install hint is what a user should run.
 KERNEL_PACKAGES: tuple[KernelPackage, ...] = (
     KernelPackage("flashinfer", ("flashinfer-python", "flashinfer"), "pip install 'sglx[flashinfer]'"),
-    KernelPackage("flash_attn", ("flash-attn", "flash_attn"), "pip install 'sglx[fa]'"),
+    KernelPackage("flash_attn", ("flash-attn", "flash_attn"), "pip install flash-attn for FlashAttention 2"),
     KernelPackage(
         "flash_attn_interface",
         ("flash-attn-3", "flash_attn_3", "flashattn-hopper"),
-        "build FlashAttention 3 from flash-attention/hopper; sglx[fa] installs FA2 only",
+        "build FlashAttention 3 from flash-attention/hopper; no pip wheel",
     ),
     KernelPackage(
         "flash_attn.cute",
-        ("flash-attn-cute", "flash_attn_cute", "flash-attn"),
-        "pip install flash-attn-cute (FlashAttention 4, CuTe DSL)",
+        ("flash-attn-4", "flash-attn-cute", "flash_attn_cute", "flash-attn"),
+        "pip install 'sglx[fa]' for FlashAttention 4; a CUDA 13 torch also needs 'nvidia-cutlass-dsl[cu13]'",
     ),
     KernelPackage("sageattention", ("sageattention",), "pip install 'sglx[sage]'"),
     KernelPackage(
@@ -50,7 +50,7 @@ KERNEL_PACKAGES: tuple[KernelPackage, ...] = (
         "build SageAttention3 from thu-ml/SageAttention (sageattention3_blackwell)",
     ),
     KernelPackage("triton", ("triton", "pytorch-triton-rocm"), "pip install triton"),
-    KernelPackage("diffusers", ("diffusers",), "pip install 'sglx[diffusion]'"),
+    KernelPackage("diffusers", ("diffusers",), "pip install diffusers (a dependency of sglx: reinstall sglx)"),
     KernelPackage("st_attn", ("st_attn", "st-attn"), "pip install st_attn (Sliding Tile Attention kernels)"),
     KernelPackage("vsa", ("vsa",), "pip install vsa (Video Sparse Attention kernels)"),
     KernelPackage("svg", ("svg",), "install Sparse-VideoGen from github.com/svg-project/Sparse-VideoGen"),
@@ -170,6 +170,8 @@ def probe_package(pkg: KernelPackage) -> PackageStatus:
         mod = importlib.import_module(pkg.module)
     except (ImportError, OSError, RuntimeError, AttributeError, SyntaxError) as exc:
         return PackageStatus(pkg.module, True, version, error=f"{type(exc).__name__}: {exc}"[:500])
+    if getattr(mod, "__file__", None) is None:  # a bare namespace (flash-attn-4 leaves flash_attn/ without FA2)
+        return PackageStatus(pkg.module, installed=False)
     if version is None:
         version = getattr(mod, "__version__", None)
     return PackageStatus(pkg.module, True, str(version) if version else None)

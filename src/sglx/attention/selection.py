@@ -106,6 +106,12 @@ def _resolve(name: str, family: Family, kind: Kind, flag: str) -> BackendSpec:
             f"{kind.upper()} backends: {choices}."
         )
     choices = ", ".join(backend_names(family, kind))
+    other_family: Family = "diffusion" if family == "llm" else "llm"
+    if any(find(name, other_family, k) is not None for k in ("mha", "mla", "dit")):  # type: ignore[arg-type]
+        raise BackendUnavailableError(
+            f"{flag} {name}: {name} is {'a diffusion' if other_family == 'diffusion' else 'an LLM'} attention "
+            f"backend, and this is {_kind_label(kind)}. Choose one of: {choices}."
+        )
     raise BackendUnavailableError(f"{flag} {name}: unknown attention backend. Choose one of: {choices}.")
 
 

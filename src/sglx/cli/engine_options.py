@@ -39,6 +39,16 @@ def llm_backend_names() -> tuple[str, ...]:
     return backend_names("llm")
 
 
+def attention_backend_names() -> tuple[str, ...]:
+    """--attention-backend takes LLM and diffusion backends, and diffusers' names under --backend diffusers."""
+    from sglx.attention.registry import backend_names
+    from sglx.diffusion.diffusers_names import DIFFUSERS_ATTENTION_BACKENDS
+
+    names = [*backend_names("llm"), *backend_names("diffusion")]
+    names += [n for n in DIFFUSERS_ATTENTION_BACKENDS if n not in names]
+    return tuple(dict.fromkeys(names))
+
+
 @dataclass(frozen=True)
 class EngineFlag:
     """One engine flag: the EngineConfig field it sets, its CLI spelling, type, default and help."""
@@ -73,8 +83,9 @@ class EngineFlag:
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("model_path", "--model-path", str | None, None,
-               "Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config "
-               "name with --load-format dummy. Default: the tiny model embedded in sglx."),
+               "Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model "
+               "directory (model_index.json), an embedded model (tiny-shapes), or a shipped config name with "
+               "--load-format dummy. Default: the tiny LLM embedded in sglx."),
     EngineFlag("tokenizer_path", "--tokenizer-path", str | None, None, "Tokenizer directory (default: the model's)."),
     EngineFlag("load_format", "--load-format", str, "auto",
                "Weights: safetensors from the model directory, or dummy random weights (benchmarks).",
@@ -82,8 +93,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("dtype", "--dtype", str, "auto", "Compute dtype; auto = the checkpoint's.", DTYPE_CHOICES),
     EngineFlag("device", "--device", str, "auto", "Device; auto = cuda when available, else cpu.", DEVICE_CHOICES),
     EngineFlag("attention_backend", "--attention-backend", str | None, None,
-               "Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).",
-               llm_backend_names),
+               "Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with "
+               "--backend diffusers, diffusers' own backend name (default: auto selection; see `sglx doctor`).",
+               attention_backend_names),
     EngineFlag("prefill_attention_backend", "--prefill-attention-backend", str | None, None,
                "Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.", llm_backend_names),
     EngineFlag("decode_attention_backend", "--decode-attention-backend", str | None, None,

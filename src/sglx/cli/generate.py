@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 from pathlib import Path
@@ -9,11 +10,14 @@ from typing import Any
 
 import typer
 
+from sglx.cli.diffusion_generate import DiffusionFlags, is_diffusion_model, run_diffusion
 from sglx.cli.engine_options import with_engine_options
 from sglx.errors import SglxError
 from sglx.llm.engine_config import EngineConfig
 
 SAMPLING = "Sampling options"
+DIFFUSION = "Diffusion options"
+Backend = enum.Enum("Backend", {"sglx": "sglx", "diffusers": "diffusers"}, type=str)  # type: ignore[misc]
 
 
 def _read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[Any]:
@@ -88,13 +92,47 @@ def generate(
                                     rich_help_panel=SAMPLING),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed (same seed, same text).",
                                     rich_help_panel=SAMPLING),
+    backend: Backend = typer.Option("sglx", "--backend", case_sensitive=False, rich_help_panel=DIFFUSION,
+                                    help="Diffusion models: sglx's native pipeline, or diffusers' own pipeline "
+                                         "(families sglx does not run natively; --attention-backend then takes "
+                                         "diffusers' names)."),
+    negative_prompt: str | None = typer.Option(None, "--negative-prompt", rich_help_panel=DIFFUSION,
+                                               help="What to steer away from (classifier-free guidance)."),
+    num_inference_steps: int | None = typer.Option(None, "--num-inference-steps", rich_help_panel=DIFFUSION,
+                                                   help="Denoising steps (default: the model's)."),
+    guidance_scale: float | None = typer.Option(None, "--guidance-scale", rich_help_panel=DIFFUSION,
+                                                help="CFG scale; > 1 runs the conditional and unconditional "
+                                                     "branches as one batch (default: the model's)."),
+    height: int | None = typer.Option(None, "--height", rich_help_panel=DIFFUSION, help="Pixels (default: the "
+                                                                                       "model's)."),
+    width: int | None = typer.Option(None, "--width", rich_help_panel=DIFFUSION, help="Pixels (default: the "
+                                                                                     "model's)."),
+    num_frames: int | None = typer.Option(None, "--num-frames", rich_help_panel=DIFFUSION,
+                                          help="Frames (Wan takes 4k+1; 1 = a still image)."),
+    fps: int | None = typer.Option(None, "--fps", rich_help_panel=DIFFUSION, help="Frames per second of the "
+                                                                                 "written video."),
+    output: str | None = typer.Option(None, "--output", "-o", rich_help_panel=DIFFUSION,
+                                      help="Output file for one prompt; the suffix picks the format: .png .jpg "
+                                           ".webp (stills), .mp4 .gif (videos)."),
+    output_dir: str | None = typer.Option(None, "--output-dir", rich_help_panel=DIFFUSION,
+                                          help="Folder for one file per prompt (default: ./outputs)."),
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # filled by @with_engine_options
 ) -> None:
-    """Generate text for one or more prompts (default model: the tiny key-value-recall model shipped with sglx)."""
+    """Generate text (LLMs) or images and videos (diffusion models) for one or more prompts.
+
+    The model decides: a diffusers directory (model_index.json) or `--model-path tiny-shapes` makes pictures;
+    anything else is an LLM (default: the tiny key-value-recall model shipped with sglx).
+    """
     from sglx.llm.sampling import SamplingParams
 
+    diffusion = DiffusionFlags(Backend(backend).value, negative_prompt, num_inference_steps, guidance_scale, height,
+                               width, num_frames, fps, output, output_dir)
     try:
         prompts = _read_prompts(prompt, prompts_file)
+        if is_diffusion_model(engine_config.model_path):
+            run_diffusion(engine_config, prompts, diffusion, seed, json_output)
+            return
+        diffusion.reject_for_llm()
         if chat:
             prompts = [_as_chat(p, system) for p in prompts]
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

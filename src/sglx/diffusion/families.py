@@ -25,4 +25,4 @@ def native_pipeline_class(index: ModelIndex) -> type:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
         raise SglxError(f"the native {index.pipeline_class} pipeline needs diffusers ({exc}); "
-                        "pip install 'sglx[diffusion]'") from exc
+                        "pip install diffusers (a dependency of sglx)") from exc

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sglx.errors import SglxError
 
-INSTALL_DIFFUSION = "pip install 'sglx[diffusion]'"
+INSTALL_DIFFUSION = "pip install diffusers; it is a dependency of sglx"
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,21 @@ def read_model_index(path: str | Path) -> ModelIndex:
     return ModelIndex(root, raw["_class_name"], components, extra)
 
 
+def quiet_loading() -> None:
+    """Loading bars and notices from transformers/diffusers would interleave with sglx's own output."""
+    warnings.filterwarnings("ignore", message=".*`torch_dtype` is deprecated.*", category=FutureWarning)
+    for module_name in ("transformers", "diffusers"):
+        try:
+            logging_utils = importlib.import_module(module_name).utils.logging
+            logging_utils.disable_progress_bar()
+            logging_utils.set_verbosity_error()
+        except (ImportError, AttributeError):
+            pass
+
+
 def load_component(index: ModelIndex, name: str, **kwargs: Any) -> Any:
     """`<Class>.from_pretrained(<dir>/<name>)` from the library model_index.json names; nothing downloads."""
+    quiet_loading()
     if name not in index.components:
         raise SglxError(f"{index.path}/model_index.json names no {name!r} component")
     library, class_name = index.components[name]

@@ -63,7 +63,8 @@ def _write(frames: np.ndarray, target: str, suffix: str, fps: int) -> None:
     from PIL import Image
 
     if suffix in IMAGE_SUFFIXES:
-        Image.fromarray(frames[0]).save(target, format={".jpg": "JPEG", ".jpeg": "JPEG"}.get(suffix, suffix[1:].upper()))
+        kind = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(suffix, suffix[1:].upper())
+        Image.fromarray(frames[0]).save(target, format=kind)
     elif suffix == ".gif":
         images = [Image.fromarray(f) for f in frames]
         images[0].save(target, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps),

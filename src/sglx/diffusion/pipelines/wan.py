@@ -76,9 +76,9 @@ class WanPipeline(NativePipeline):
         check_multiple("width", req.width, self.scale_s * self.patch[2],
                        f"the VAE downsamples by {self.scale_s} and the DiT patch is {self.patch[2]}")
         if req.num_frames < 1 or (req.num_frames - 1) % self.scale_t:
-            k = max(0, (req.num_frames - 1) // self.scale_t)
-            raise SglxError(f"--num-frames {req.num_frames}: Wan takes {self.scale_t}k+1 frames (1, "
-                            f"{self.scale_t + 1}, {2 * self.scale_t + 1}, ...); try --num-frames {k * self.scale_t + 1}")
+            k, s = max(0, (req.num_frames - 1) // self.scale_t), self.scale_t
+            raise SglxError(f"--num-frames {req.num_frames}: Wan takes {s}k+1 frames (1, {s + 1}, {2 * s + 1}, "
+                            f"...); try --num-frames {k * s + 1}")
         if req.num_inference_steps < 1:
             raise SglxError(f"--num-inference-steps {req.num_inference_steps}: must be at least 1")
 
