@@ -20,6 +20,7 @@ class DiffusionDefaults:
     fps: int = 16
     max_sequence_length: int = 512
     negative_prompt: str = ""
+    true_cfg_scale: float = 1.0  # FLUX-style real CFG beside distilled guidance; 1 = off
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class DiffusionRequest:
     guidance_scale: float | None = None
     fps: int | None = None
     seed: int | None = None
+    true_cfg_scale: float | None = None
 
     def resolved(self, defaults: DiffusionDefaults, seed: int) -> ResolvedRequest:
         def pick(value: Any, default: Any) -> Any:
@@ -51,6 +53,7 @@ class DiffusionRequest:
             fps=pick(self.fps, defaults.fps),
             seed=pick(self.seed, seed),
             max_sequence_length=defaults.max_sequence_length,
+            true_cfg_scale=float(pick(self.true_cfg_scale, defaults.true_cfg_scale)),
         )
 
 
@@ -68,6 +71,9 @@ class ResolvedRequest:
     fps: int
     seed: int
     max_sequence_length: int = 512
+    # Families with distilled guidance (FLUX) read `guidance_scale` as the embedded scale; this is their real
+    # classifier-free guidance against `negative_prompt` (diffusers' `true_cfg_scale`), off at 1.
+    true_cfg_scale: float = 1.0
 
     @property
     def cfg(self) -> bool:
