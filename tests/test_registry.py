@@ -30,7 +30,8 @@ MHA_NAMES = {"flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attenti
 MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "triton", "fa4", "ascend"}
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
-IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa")}
+IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa"),
+               ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn")}
 
 SNAPSHOTS = {
     "h100": fake("cuda", gpu="NVIDIA H100", capability=(9, 0), cuda="12.4"),

@@ -530,12 +530,58 @@ def test_real_registry_mla_has_no_backend_yet(name: str) -> None:
         assert NOT_IMPLEMENTED in msg
 
 
+# machine (every package of its kind installed) -> (auto diffusion backend, the FlashAttention kernel that runs)
+REAL_DIFFUSION = {
+    "h100_cu124": ("fa", "FA3"), "h100_cu122": ("fa", "FA3"), "a100": ("fa", "FA3"), "l40s": ("fa", "FA3"),
+    "b200": ("fa", "FA4"), "rtx5090": ("fa", "FA2"), "t4": ("torch_sdpa", None), "mi300": ("fa", "FA2"),
+    "mps": ("torch_sdpa", None), "ascend": ("torch_sdpa", None), "xpu": ("torch_sdpa", None),
+    "cpu": ("torch_sdpa", None),
+}
+
+
 @pytest.mark.parametrize("name", REAL_MACHINES)
-def test_real_registry_diffusion_picks_only_implemented(name: str) -> None:
-    sel = select_diffusion(machine(name), AttentionRequest(dtype="bfloat16", head_dim=128))
-    assert (sel.backend, sel.source) == ("torch_sdpa", "auto")
-    for reasons in passed_over(sel.considered).values():
-        assert NOT_IMPLEMENTED in reasons
+def test_real_registry_diffusion_prefers_fa(name: str) -> None:
+    snap = machine(name)
+    sel = select_diffusion(snap, AttentionRequest(dtype="bfloat16", head_dim=128))
+    chosen, variant = REAL_DIFFUSION[name]
+    assert (sel.backend, sel.source) == (chosen, "auto")
+    got = registry.chosen_variant(registry.find("fa", "diffusion", "dit"), snap)
+    assert (got.name if got else None) == variant
+    if name == "t4":
+        assert "needs compute capability >= 8.0" in passed_over(sel.considered)["fa"]
+
+
+# (machine, packages) -> the FlashAttention kernel fa runs, or the reason substrings when none does
+FA_VARIANTS = [
+    pytest.param("h100_cu124", ("flash_attn.cute",), "FA4", (), id="h100-fa4-only"),
+    pytest.param("h100_cu124", ("flash_attn.cute", "flash_attn_interface", "flash_attn"), "FA3", (), id="h100-all"),
+    pytest.param("h100_cu124", ("flash_attn",), "FA2", (), id="h100-fa2-only"),
+    pytest.param("h100_cu124", (), None, ("FA4: package flash_attn.cute is not installed", "sglx[fa]",
+                                          "FA3: package flash_attn_interface is not installed",
+                                          "FA2: package flash_attn is not installed"), id="h100-none"),
+    pytest.param("a100", ("flash_attn.cute",), None, ("FA4: needs compute capability 9.0, 10.x", "is 8.0"),
+                 id="a100-fa4-needs-hopper"),
+    pytest.param("b200", ("flash_attn_interface",), None, ("FA3: needs compute capability <= 9.0",), id="b200-fa3"),
+    pytest.param("b200", ("flash_attn_interface", "flash_attn.cute"), "FA4", (), id="b200-fa4"),
+    pytest.param("mi300", ("flash_attn",), "FA2", (), id="rocm-fa2"),
+    pytest.param("cpu", ("flash_attn",), None, ("runs on CUDA or ROCm only",), id="cpu"),
+]
+
+
+@pytest.mark.parametrize(("name", "packages", "variant", "needles"), FA_VARIANTS)
+def test_fa_variant_per_machine(name: str, packages: tuple[str, ...], variant: str | None,
+                                needles: tuple[str, ...]) -> None:
+    spec = registry.find("fa", "diffusion", "dit")
+    snap = machine(name, packages)
+    got = registry.chosen_variant(spec, snap)
+    assert (got.name if got else None) == variant
+    avail = registry.availability(spec, snap, AttentionRequest(family="diffusion", kind="dit", dtype="bfloat16"))
+    assert avail.ok == (variant is not None)
+    for needle in needles:
+        assert needle in " | ".join(avail.reasons), avail.reasons
+    if variant is None:  # an explicit request names why and what would run instead
+        msg = raises_unavailable(select_diffusion, snap, BF16_128, cli_backend="fa4")
+        assert "--attention-backend fa cannot run here" in msg and "torch_sdpa" in msg
 
 
 @pytest.mark.parametrize(("traits", "backend"), [
@@ -555,7 +601,7 @@ def test_real_registry_cpu() -> None:
     sel = select_llm(machine("cpu"), MHA, LLMBackendArgs(attention_backend="torch_native", page_size=16))
     assert (sel.decode, sel.page_size, sel.source) == ("torch_native", 16, "explicit")
     msg = raises_unavailable(select_diffusion, machine("cpu"), cli_backend="fa")
-    assert NOT_IMPLEMENTED in msg and "runs on CUDA or ROCm only" in msg and "torch_sdpa" in msg
+    assert "runs on CUDA or ROCm only" in msg and "Backends that would run here: torch_sdpa" in msg
 
 
 # ---------------------------------------------------------------- diffusion
@@ -571,7 +617,8 @@ DIFFUSION_AUTO = [
                  id="a100-fa2-fp16"),
     pytest.param("l40s", ("flash_attn",), None, AttentionRequest(), "fa", {}, id="l40s-unknown-dtype"),
     pytest.param("h100_cu124", (), None, BF16_128, "torch_sdpa",
-                 {"fa": ("flash_attn_interface or flash_attn.cute or flash_attn " + NOT_INSTALLED,)},
+                 {"fa": ("flash_attn_interface " + NOT_INSTALLED, "flash_attn.cute " + NOT_INSTALLED,
+                         "flash_attn " + NOT_INSTALLED)},
                  id="h100-not-installed"),
     pytest.param("h100_cu124", (), {"flash_attn": "ImportError: flash_attn_2_cuda.so: undefined symbol"}, BF16_128,
                  "torch_sdpa", {"fa": ("fails to import", "flash_attn_2_cuda.so")}, id="h100-broken"),

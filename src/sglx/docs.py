@@ -26,7 +26,7 @@ from sglx.attention.registry import (
     availability,
 )
 from sglx.attention.request import AttentionRequest, Kind
-from sglx.attention.requirements import CapabilityIn, OnlyOn, OnPlatform, Requirement, device_name
+from sglx.attention.requirements import AnyVariant, CapabilityIn, OnlyOn, OnPlatform, Requirement, device_name
 from sglx.attention.selection import (  # _auto_rule_reasons: the auto-only conditions (fa3 needs CUDA >= 12.3)
     LLMBackendArgs,
     ModelTraits,
@@ -84,6 +84,9 @@ def describe_requirement(req: Requirement) -> str:
         return ", ".join(sm(major, minor) for major, minor in req.allowed)
     if isinstance(req, OnlyOn):
         return f"{describe_requirement(req.inner)} (on {'/'.join(device_name(k) for k in req.kinds)})"
+    if isinstance(req, AnyVariant):
+        return "one of: " + "; ".join(
+            f"{v.name} ({', '.join(describe_requirement(r) for r in v.requires)})" for v in req.variants)
     return req.describe()
 
 

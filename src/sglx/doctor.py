@@ -13,7 +13,7 @@ from rich.table import Table
 
 from sglx import __version__
 from sglx.attention.checks import run_check
-from sglx.attention.registry import LLMFeatures, all_backends, availability
+from sglx.attention.registry import LLMFeatures, all_backends, availability, chosen_variant
 from sglx.attention.request import AttentionRequest, Family
 from sglx.attention.requirements import device_name
 from sglx.attention.selection import LLMBackendArgs, ModelTraits, select_diffusion, select_llm
@@ -59,6 +59,9 @@ def _backend_rows(snap: PlatformSnapshot, family: Family, kind: str) -> list[dic
         avail = availability(spec, snap, AttentionRequest(family=family, kind=spec.kind))
         row: dict[str, Any] = {"name": spec.name, "aliases": list(spec.aliases), "title": spec.title,
                                "implemented": spec.implemented, "usable": avail.ok, "reasons": list(avail.reasons)}
+        variant = chosen_variant(spec, snap) if avail.ok else None
+        if variant is not None:  # which kernel of a several-kernel backend (fa: FA3 | FA4 | FA2) runs here
+            row["variant"] = f"{variant.name} ({variant.module})"
         if isinstance(spec.features, LLMFeatures):
             row["cuda_graph"] = spec.features.cuda_graph
             rule = spec.page_size_rule(snap)
@@ -144,6 +147,8 @@ def _section_table(section: dict[str, Any]) -> Table:
         name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
         mark = "[green]yes[/]" if row["usable"] else "[red]no[/]"
         notes = "; ".join(row["reasons"])
+        if row["usable"] and row.get("variant"):
+            notes = f"runs {row['variant']}"
         if row["usable"] and row.get("page_sizes"):
             notes = f"page size {', '.join(map(str, row['page_sizes']))}"
         if row["usable"] and row.get("cuda_graph") is False:

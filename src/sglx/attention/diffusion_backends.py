@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglx.attention.registry import BackendSpec, ConfigParam, DiffusionFeatures, register
 from sglx.attention.requirements import (
+    AnyVariant,
     Capability,
     CapabilityIn,
     Dtypes,
@@ -11,22 +12,34 @@ from sglx.attention.requirements import (
     OnlyOn,
     OnPlatform,
     Package,
+    Variant,
 )
 
 CUDA = OnPlatform(("cuda",))
 
+# FlashAttention's kernels, best first: FA3 (Hopper's own kernel), FA4 (CuTe DSL: Hopper and Blackwell), FA2.
+FA_VARIANTS = AnyVariant("FlashAttention", (
+    Variant("FA3", "flash_attn_interface",
+            (CUDA, Capability(min=(8, 0), max=(9, 0)), Package(("flash_attn_interface",)))),
+    Variant("FA4", "flash_attn.cute", (CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",)))),
+    Variant("FA2", "flash_attn", (OnPlatform(("cuda", "rocm")), OnlyOn(("cuda",), Capability(min=(8, 0))),
+                                  Package(("flash_attn",)))),
+))
+
 register(BackendSpec(
     name="fa", family="diffusion", kind="dit", title="FlashAttention",
     aliases=("fa3", "fa4"),
-    summary="FlashAttention (FA3 on Hopper, FA4 on Blackwell, FA2 elsewhere); preferred on CUDA when it runs.",
+    summary="FlashAttention: FA3 on Hopper, FA4 on Hopper and Blackwell, FA2 elsewhere (the best one installed); "
+            "preferred on CUDA when it runs.",
     requires=(
         OnPlatform(("cuda", "rocm")),
-        OnlyOn(("cuda",), Capability(min=(8, 0))),
         Dtypes(("float16", "bfloat16")),
         HeadDims(max=256, multiple_of=8),
-        Package(("flash_attn_interface", "flash_attn.cute", "flash_attn")),
+        FA_VARIANTS,
     ),
-    features=DiffusionFeatures(notes="CUDA requires SM80+ and fp16/bf16; falls back to torch_sdpa in auto mode."),
+    features=DiffusionFeatures(notes="fp16/bf16 only; GQA and any sequence length. FA3 needs SM80-SM90, "
+                                     "FA4 SM90 or SM10x (head dim <= 128 on SM10x), FA2 SM80+ or ROCm."),
+    factory="sglx.attention.diffusion.flash_attn:FlashAttentionBackend",
 ))
 
 register(BackendSpec(
@@ -52,16 +65,22 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="sage_attn", family="diffusion", kind="dit", title="SageAttention",
-    summary="Quantized (INT8 QK) attention from thu-ml/SageAttention.",
-    requires=(CUDA, CapabilityIn(((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))), Package(("sageattention",))),
-    features=DiffusionFeatures(notes="CUDA-only; upstream kernels target SM80/86/89/90/120."),
+    summary="Quantized (INT8 QK, fp16 PV) attention from thu-ml/SageAttention 1.x (Triton).",
+    requires=(CUDA, CapabilityIn(((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))), HeadDims(allowed=(64, 96, 128)),
+              Package(("sageattention",))),
+    features=DiffusionFeatures(
+        notes="Lossy: Q and K are rounded to INT8 per block and V to fp16, so outputs differ from exact attention "
+              "by about 1e-2 (checked at a wider tolerance than exact kernels); on H100 it is slower than cuDNN.",
+        check_tolerance=6e-2),
+    factory="sglx.attention.diffusion.sage:SageAttentionBackend",
 ))
 
 register(BackendSpec(
     name="sage_attn_3", family="diffusion", kind="dit", title="SageAttention 3",
     summary="FP4 SageAttention3 for Blackwell GPUs.",
     requires=(CUDA, Capability(min=(10, 0)), Package(("sageattn3",))),
-    features=DiffusionFeatures(notes="CUDA-only; SageAttention3 targets Blackwell (SM100/SM120)."),
+    features=DiffusionFeatures(notes="Declared only: sglx has no SageAttention3 wrapper yet (it needs a Blackwell "
+                                     "GPU to build and test). Targets SM100/SM120."),
 ))
 
 register(BackendSpec(
@@ -99,7 +118,8 @@ register(BackendSpec(
     name="aiter", family="diffusion", kind="dit", title="AITER",
     summary="AMD AITER attention kernels.",
     requires=(OnPlatform(("rocm",)), Package(("aiter",))),
-    features=DiffusionFeatures(notes="AITER is AMD's ROCm kernel library (SGLang's table lists it under CUDA)."),
+    features=DiffusionFeatures(notes="Declared only: sglx has no AITER wrapper yet (no ROCm GPU to test on). AITER is "
+                                     "AMD's ROCm kernel library (SGLang's table lists it under CUDA)."),
 ))
 
 register(BackendSpec(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglx.attention.request import AttentionRequest, Family, Kind
-from sglx.attention.requirements import Requirement, platforms_of
+from sglx.attention.requirements import AnyVariant, Requirement, Variant, platforms_of
 from sglx.platform import PlatformSnapshot
 
 NOT_IMPLEMENTED = "not implemented in sglx yet"
@@ -66,6 +66,8 @@ class DiffusionFeatures:
     sparse: bool = False
     needs_grid: bool = False  # needs the latent (T, H, W) token grid
     notes: str = ""
+    # Max |error| vs float64 that checks accept in fp16/bf16, when wider than exact kernels' (quantized kernels).
+    check_tolerance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,15 @@ def availability(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionReques
     return Availability(ok=not reasons, reasons=tuple(reasons))
 
 
+def chosen_variant(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionRequest | None = None) -> Variant | None:
+    """The kernel a backend with several (fa: FA3, FA4, FA2) runs here; None without variants or when none runs."""
+    req = req or AttentionRequest(family=spec.family, kind=spec.kind)
+    for r in spec.requires:
+        if isinstance(r, AnyVariant):
+            return r.chosen(snap, req)
+    return None
+
+
 __all__ = [
     "NOT_IMPLEMENTED",
     "Availability",
@@ -221,6 +232,7 @@ __all__ = [
     "PageSizeRule",
     "all_backends",
     "availability",
+    "chosen_variant",
     "backend_names",
     "find",
     "register",

@@ -256,3 +256,40 @@ def platforms_of(requires: Iterable[Requirement]) -> tuple[str, ...]:
         if isinstance(r, OnPlatform):
             return r.kinds
     return ("cuda", "rocm", "mps", "npu", "xpu", "cpu")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of a backend (FA3, FA4, FA2 of `fa`) with the requirements of that one alone."""
+
+    name: str
+    module: str  # the package that provides it, shown by doctor
+    requires: tuple[Requirement, ...]
+
+    def failures(self, snap: PlatformSnapshot, req: AttentionRequest) -> list[str]:
+        return [r for r in (q.check(snap, req) for q in self.requires) if r]
+
+
+@dataclass(frozen=True)
+class AnyVariant(Requirement):
+    """Met when every requirement of one variant holds; variants are in order of preference.
+
+    A backend with several kernels (FlashAttention 3, 4 and 2 need different GPUs and packages) states
+    each kernel's needs here, so doctor and selection say which one runs, or why none does.
+    """
+
+    label: str  # "FlashAttention", for the reason when no variant runs
+    variants: tuple[Variant, ...]
+
+    def chosen(self, snap: PlatformSnapshot, req: AttentionRequest) -> Variant | None:
+        return next((v for v in self.variants if not v.failures(snap, req)), None)
+
+    def check(self, snap: PlatformSnapshot, req: AttentionRequest) -> str | None:
+        if self.chosen(snap, req) is not None:
+            return None
+        why = "; ".join(f"{v.name}: {', '.join(v.failures(snap, req))}" for v in self.variants)
+        return f"no {self.label} variant runs here ({why})"
+
+    def describe(self) -> str:
+        return "one of " + "; ".join(
+            f"{v.name} ({', '.join(r.describe() for r in v.requires)})" for v in self.variants)
