@@ -129,7 +129,8 @@ def generate(
                                width, num_frames, fps, output, output_dir)
     try:
         prompts = _read_prompts(prompt, prompts_file)
-        if is_diffusion_model(engine_config.model_path):
+        if is_diffusion_model(engine_config.model_path) or (diffusion.given() and engine_config.model_path):
+            # Diffusion flags with a path that is no diffusion model: the loader says precisely why not.
             run_diffusion(engine_config, prompts, diffusion, seed, json_output)
             return
         diffusion.reject_for_llm()

@@ -101,8 +101,9 @@ def load_model_config(model_path: str | Path) -> ModelConfig:
     if path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise SglxError(f"--model-path {model_path}: the directory has no config.json; "
-                            "point it at a Hugging Face model directory (config.json + *.safetensors).")
+            raise SglxError(f"--model-path {model_path}: the directory has no config.json (an LLM) and no "
+                            "model_index.json (a diffusers model); point it at a Hugging Face model directory "
+                            "(config.json + *.safetensors) or a diffusers-format one.")
     elif path.is_file() and path.suffix == ".json":
         config_file = path
     elif str(model_path) in shipped_configs():
@@ -110,7 +111,8 @@ def load_model_config(model_path: str | Path) -> ModelConfig:
     else:
         raise SglxError(
             f"--model-path {model_path}: no such directory and not a shipped config. "
-            f"Give a local Hugging Face model directory or one of: {', '.join(shipped_configs())} "
+            f"Give a local Hugging Face or diffusers model directory, the embedded diffusion model "
+            f"tiny-shapes, or one of: {', '.join(shipped_configs())} "
             "(shipped configs have no weights: use them with --load-format dummy)."
         )
     try:
