@@ -11,16 +11,18 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                503: "service_unavailable", 500: "server_error"}
+                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+                500: "server_error"}
 
 
 class APIError(Exception):
     """An error to return as an OpenAI-style JSON body (raised anywhere inside a route)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002
         super().__init__(message)
+        self.headers = dict(headers or {})  # extra response headers, e.g. Retry-After on a 503
         self.status = status
         self.message = message
         self.param = param

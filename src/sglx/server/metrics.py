@@ -45,47 +45,67 @@ class Histogram:
         return out
 
 
-class ServerMetrics:
+class PromText:
+    """Lines of a Prometheus text exposition, each metric with its HELP and TYPE header."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def head(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def value(self, name: str, kind: str, help_text: str, value: float) -> None:
+        self.head(name, kind, help_text)
+        self.lines.append(f"{name} {_num(value)}")
+
+    def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
+        self.head(name, "histogram", help_text)
+        self.lines += hist.lines(name)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+class HttpMetrics:
+    """HTTP request counters every sglx server keeps (RequestCountMiddleware updates them)."""
+
     def __init__(self) -> None:
         self.http_requests: Counter[tuple[str, str, int]] = Counter()  # (method, route, status)
+        self.in_flight = 0
+
+    def render_http(self, out: PromText) -> None:
+        out.head("sglx_http_requests_total", "counter", "HTTP requests by method, route and status code.")
+        for (method, route, status), n in sorted(self.http_requests.items()):
+            out.lines.append(f'sglx_http_requests_total{{method="{method}",route="{route}",status="{status}"}} {n}')
+        out.value("sglx_http_requests_in_flight", "gauge", "HTTP requests being served now.", self.in_flight)
+
+
+class ServerMetrics(HttpMetrics):
+    def __init__(self) -> None:
+        super().__init__()
         self.finished: Counter[str] = Counter()  # generations by finish reason
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-        self.in_flight = 0
 
     def render(self, gauges: Mapping[str, float]) -> str:
-        lines: list[str] = []
-
-        def head(name: str, kind: str, help_text: str) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-
-        head("sglx_http_requests_total", "counter", "HTTP requests by method, route and status code.")
-        for (method, route, status), n in sorted(self.http_requests.items()):
-            lines.append(f'sglx_http_requests_total{{method="{method}",route="{route}",status="{status}"}} {n}')
-        head("sglx_http_requests_in_flight", "gauge", "HTTP requests being served now.")
-        lines.append(f"sglx_http_requests_in_flight {self.in_flight}")
-        head("sglx_generation_requests_total", "counter", "Finished generations (one per choice) by finish reason.")
+        out = PromText()
+        self.render_http(out)
+        out.head("sglx_generation_requests_total", "counter", "Finished generations (one per choice) by finish reason.")
         for reason, n in sorted(self.finished.items()):
-            lines.append(f'sglx_generation_requests_total{{finish_reason="{reason}"}} {n}')
-        head("sglx_prompt_tokens_total", "counter", "Prompt tokens of generations.")
-        lines.append(f"sglx_prompt_tokens_total {self.prompt_tokens}")
-        head("sglx_generation_tokens_total", "counter", "Generated tokens.")
-        lines.append(f"sglx_generation_tokens_total {self.generation_tokens}")
-        for name, hist, text in (
-                ("sglx_time_to_first_token_seconds", self.ttft, "Time from request arrival to the first token."),
-                ("sglx_inter_token_latency_seconds", self.itl, "Time between consecutive output tokens."),
-                ("sglx_e2e_request_latency_seconds", self.e2e, "Time from request arrival to its last token.")):
-            head(name, "histogram", text)
-            lines += hist.lines(name)
+            out.lines.append(f'sglx_generation_requests_total{{finish_reason="{reason}"}} {n}')
+        out.value("sglx_prompt_tokens_total", "counter", "Prompt tokens of generations.", self.prompt_tokens)
+        out.value("sglx_generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
+        out.histogram("sglx_time_to_first_token_seconds", "Time from request arrival to the first token.", self.ttft)
+        out.histogram("sglx_inter_token_latency_seconds", "Time between consecutive output tokens.", self.itl)
+        out.histogram("sglx_e2e_request_latency_seconds", "Time from request arrival to its last token.", self.e2e)
         for name, (kind, text) in ENGINE_GAUGES.items():
             if name in gauges:
-                head(name, kind, text)
-                lines.append(f"{name} {_num(gauges[name])}")
-        return "\n".join(lines) + "\n"
+                out.value(name, kind, text, gauges[name])
+        return out.text()
 
 
 ENGINE_GAUGES = {
