@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from diffusion_test_utils import make_tiny_wan
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sdpa import TorchSDPABackend
 from sglx.diffusion.engine import DiffusionEngine
 from sglx.diffusion.request import DiffusionRequest
 from sglx.errors import SglxError
@@ -71,3 +73,61 @@ def test_wan_bad_request(wan_dir: Path, kwargs: dict, needle: str) -> None:
     base = {"prompt": "x", "height": 32, "width": 32, "num_frames": 5}
     with pytest.raises(SglxError, match=re.escape(needle)):
         engine.resolve(DiffusionRequest(**{**base, **kwargs}))
+
+
+class RecordingBackend(TorchSDPABackend):
+    """torch_sdpa that records what each attention call saw."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.self_calls: list[tuple[int, DiTAttnMetadata | None, tuple[int, ...]]] = []
+        self.dense_calls = 0
+
+    def forward(self, q, k, v, *, scale=None, meta=None, layer=0):  # type: ignore[no-untyped-def]
+        self.self_calls.append((layer, meta, tuple(q.shape)))
+        return super().forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    def forward_dense(self, q, k, v, *, scale=None):  # type: ignore[no-untyped-def]
+        self.dense_calls += 1
+        return super().forward_dense(q, k, v, scale=scale)
+
+
+def test_every_attention_goes_through_the_backend_with_step_metadata(wan_dir: Path) -> None:
+    engine = DiffusionEngine(EngineConfig(model_path=str(wan_dir), device="cpu"))
+    recorder = RecordingBackend()
+    from sglx.diffusion.processors import wan as wan_processors
+
+    wan_processors.install(engine.pipeline.transformer, recorder)
+    engine.generate(DiffusionRequest(prompt="a red circle", height=32, width=48, num_frames=5,
+                                     num_inference_steps=3, guidance_scale=4.0, seed=0))
+    layers = len(engine.pipeline.transformer.blocks)
+    assert len(recorder.self_calls) == 3 * layers  # one batched CFG forward per step
+    # self-attention: forward -> forward_dense once each; cross-attention: forward_dense directly
+    assert recorder.dense_calls == 2 * 3 * layers
+    for n, (layer, meta, shape) in enumerate(recorder.self_calls):
+        assert layer == n % layers
+        assert meta is not None and meta.step_index == n // layers and meta.num_steps == 3
+        # 5 frames -> 3 latent frames (2x temporal), 32x48 -> 8x12 latents (4x), patch (1, 2, 2) -> 3x4x6
+        assert meta.grid == (3, 4, 6) and meta.text_tokens == 0 and meta.cfg and meta.batch_size == 2
+        assert shape == (2, 72, 2, 16) and meta.seq_len == 72
+
+
+def test_metadata_validates_layout() -> None:
+    meta = DiTAttnMetadata(grid=(2, 3, 4), num_heads=2, head_dim=8, text_tokens=5, text_position="prefix")
+    assert (meta.image_tokens, meta.seq_len, meta.image_start, meta.text_start) == (24, 29, 5, 0)
+    suffix = DiTAttnMetadata(grid=(2, 3, 4), num_heads=2, head_dim=8, text_tokens=5, text_position="suffix")
+    assert (suffix.image_start, suffix.text_start) == (0, 24)
+    with pytest.raises(ValueError, match="text_position"):
+        DiTAttnMetadata(grid=(1, 2, 2), num_heads=1, head_dim=8, text_tokens=3)
+    with pytest.raises(ValueError, match="grid"):
+        DiTAttnMetadata(grid=(0, 2, 2), num_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="step_index"):
+        DiTAttnMetadata(grid=(1, 2, 2), num_heads=1, head_dim=8, step_index=3, num_steps=3)
+
+
+def test_diffusers_backend_names_match_installed_diffusers() -> None:
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    from sglx.diffusion.diffusers_names import DIFFUSERS_ATTENTION_BACKENDS
+
+    assert set(DIFFUSERS_ATTENTION_BACKENDS) == {b.value for b in AttentionBackendName}
