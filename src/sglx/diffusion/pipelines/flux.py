@@ -210,8 +210,9 @@ class FluxPipeline(NativePipeline):
         clock.stop("text_encode")
         latent_hw = (req.height // self.vae_scale, req.width // self.vae_scale)
         channels = int(self.transformer.config.in_channels) // 4
-        # diffusers draws the unpacked [B, C, h, w] noise, then packs it: draw the same shape, so seeds agree.
-        latents = pack_latents(latent_noise((1, channels, *latent_hw), req.seed, self.device))
+        # diffusers draws the unpacked [B, C, h, w] noise in the model dtype (a float32 draw rounded to it is the
+        # same numbers), then packs it: draw the same shape, so one seed gives diffusers' picture.
+        latents = pack_latents(latent_noise((1, channels, *latent_hw), req.seed, self.device)).to(self.dtype)
         latents = self.denoise(latents, latent_hw, cond, uncond, req.guidance_scale, req.true_cfg_scale,
                                req.num_inference_steps, progress)
         clock.stop("denoise")
