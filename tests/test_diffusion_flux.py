@@ -147,3 +147,32 @@ def test_flux_bad_request(dev_engine: DiffusionEngine, kwargs: dict, needle: str
     base = {"prompt": "x", "height": 32, "width": 32}
     with pytest.raises(SglxError, match=re.escape(needle)):
         dev_engine.resolve(DiffusionRequest(**{**base, **kwargs}))
+
+
+def test_flux_processor_matches_diffusers_processor() -> None:
+    """The transformer alone: sglx's processors on every block give diffusers' FluxAttnProcessor output."""
+    import copy
+
+    from diffusers import FluxTransformer2DModel
+
+    from sglx.diffusion.pipelines.flux import latent_image_ids
+    from sglx.diffusion.processors import flux as flux_processors
+
+    torch.manual_seed(0)
+    ref = FluxTransformer2DModel(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                                 num_attention_heads=3, joint_attention_dim=24, pooled_projection_dim=8,
+                                 guidance_embeds=True, axes_dims_rope=(4, 6, 6)).eval()
+    ours = copy.deepcopy(ref)
+    backend = RecordingBackend()
+    assert flux_processors.install(ours, backend) == 4
+    text, (h, w) = 7, (3, 5)  # a text length and grid that are not multiples of anything
+    inputs = {"hidden_states": torch.randn(2, h * w, 16), "encoder_hidden_states": torch.randn(2, text, 24),
+              "pooled_projections": torch.randn(2, 8), "timestep": torch.tensor([0.3, 0.9]),
+              "guidance": torch.tensor([3.5, 3.5]), "txt_ids": torch.zeros(text, 3),
+              "img_ids": latent_image_ids(h, w, torch.device("cpu"), torch.float32), "return_dict": False}
+    with torch.no_grad():
+        want = ref(**inputs)[0]
+        got = ours(**inputs)[0]
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert [layer for layer, _, _ in backend.calls] == [0, 1, 2, 3]
+    assert all(shape == (2, text + h * w, 3, 16) for _, shape, _ in backend.calls)
