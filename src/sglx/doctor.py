@@ -104,7 +104,19 @@ def build_report(snap: PlatformSnapshot, family: Family | None = None, check: bo
                     results.append(asdict(run_check(spec, snap)))
             section["checks"] = results
         report["sections"].append(section)
+    if family in (None, "diffusion"):
+        report["diffusion_runtime"] = _diffusion_runtime(snap)
     return report
+
+
+def _diffusion_runtime(snap: PlatformSnapshot) -> dict[str, Any]:
+    """Which diffusers families sglx runs natively, whether diffusers is there, and the shipped models."""
+    from sglx.diffusion.embedded import embedded_diffusion_models
+    from sglx.diffusion.families import NATIVE_PIPELINES
+
+    diffusers = snap.package("diffusers")
+    return {"native_pipelines": sorted(NATIVE_PIPELINES), "diffusers": diffusers.version if diffusers.usable else None,
+            "diffusers_error": diffusers.error, "embedded_models": sorted(embedded_diffusion_models())}
 
 
 def _machine_panel(report: dict[str, Any]) -> Panel:
@@ -191,3 +203,10 @@ def render(report: dict[str, Any], console: Console) -> None:
             parts.append(_checks_table(section) if section["checks"] else "[dim]--check: no usable backend[/]")
         console.print(Group(*parts))
         console.print()
+    runtime = report.get("diffusion_runtime")
+    if runtime:
+        have = f"diffusers {runtime['diffusers']}" if runtime["diffusers"] else \
+            f"[red]diffusers missing[/] ({escape(runtime['diffusers_error'] or 'not installed')})"
+        console.print(f"[bold]diffusion runtime:[/] {have}; native pipelines: "
+                      f"{', '.join(runtime['native_pipelines'])} (others: --backend diffusers); embedded models: "
+                      f"{', '.join(runtime['embedded_models']) or 'none'}")
