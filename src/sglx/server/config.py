@@ -8,6 +8,7 @@ from sglx.errors import SglxError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 64
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,8 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413 before they are parsed
     log_level: str = "info"
     grace_period: float = 10.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
+    # diffusion servers: generation jobs (images and videos) that may wait behind the running one; more is a 503
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
         problems = []
@@ -30,6 +33,8 @@ class ServerConfig:
             problems.append(f"--log-level {self.log_level}: choose one of {', '.join(LOG_LEVELS)}")
         if self.grace_period < 0:
             problems.append(f"--grace-period {self.grace_period}: must be >= 0 seconds")
+        if self.max_queued_requests < 0:
+            problems.append(f"--max-queued-requests {self.max_queued_requests}: must be >= 0")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key is empty")
         if self.served_model_name is not None and not self.served_model_name.strip():

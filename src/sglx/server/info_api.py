@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sglx import __version__
+from sglx.server.config import ServerConfig
 from sglx.server.engine_state import engine_load, kv_pool_info, metric_gauges
 from sglx.server.state import ServerState
 
@@ -37,12 +38,18 @@ def attention_summary(info: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_dtype": info["kv_cache_dtype"]}
 
 
+def server_options(cfg: ServerConfig) -> dict[str, Any]:
+    """The server's own options as /server_info reports them (never the API key itself)."""
+    return {"host": cfg.host, "port": cfg.port, "max_request_bytes": cfg.max_request_bytes,
+            "api_key_required": cfg.api_key is not None, "grace_period": cfg.grace_period,
+            "log_level": cfg.log_level, "max_queued_requests": cfg.max_queued_requests}
+
+
 async def server_info(request: Request) -> Response:
     state = _state(request)
     engine = state.engine
     load = await asyncio.to_thread(engine_load, engine)
     info = engine.info
-    cfg = state.config
     return JSONResponse({
         "version": __version__,
         "served_model_name": state.model_name,
@@ -54,9 +61,7 @@ async def server_info(request: Request) -> Response:
         "engine_config": engine.config.to_dict(),
         "kv_pool": kv_pool_info(load),
         "scheduler": {"running_requests": load["running_requests"], "queued_requests": load["queued_requests"]},
-        "server": {"host": cfg.host, "port": cfg.port, "max_request_bytes": cfg.max_request_bytes,
-                   "api_key_required": cfg.api_key is not None, "grace_period": cfg.grace_period,
-                   "log_level": cfg.log_level},
+        "server": server_options(state.config),
     })
 
 

@@ -64,9 +64,13 @@ def validation_error(exc: ValidationError, fields: set[str]) -> APIError:
     return APIError(400, message, param or None, first["type"])
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    data = parse_json(await request.body())
+def validate_body(model: type[M], data: dict[str, Any], lax: bool = False) -> M:
+    """`model` from a parsed body; lax for form fields, which are all strings."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=False if lax else None)
     except ValidationError as exc:
         raise validation_error(exc, set(model.model_fields)) from None
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    return validate_body(model, parse_json(await request.body()))

@@ -73,10 +73,22 @@ def warm_up(engine: Any) -> None:
     engine.flush_cache()
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
+def _serve(app: Any, config: ServerConfig) -> int:
     import uvicorn
 
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               timeout_graceful_shutdown=config.grace_period, lifespan="on",
+                               access_log=config.log_level == "debug")
+    server = _graceful_server_class()(uv_config)
+    server.run()
+    if not server.started:
+        return 1  # e.g. the port is taken: uvicorn has logged why
+    print("[sglx] server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
     from sglx.llm.engine import Engine
     from sglx.server.app import create_app
 
@@ -87,14 +99,37 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         app = create_app(engine, config, shutdown_engine=True)
         for line in startup_lines(engine.info, app.state.sglx.model_name, config):
             print(line, file=sys.stderr, flush=True)
-        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                   timeout_graceful_shutdown=config.grace_period, lifespan="on",
-                                   access_log=config.log_level == "debug")
-        server = _graceful_server_class()(uv_config)
-        server.run()
-        if not server.started:
-            return 1  # e.g. the port is taken: uvicorn has logged why
-        print("[sglx] server stopped", file=sys.stderr, flush=True)
-        return 0
+        return _serve(app, config)
     finally:
         engine.shutdown()
+
+
+def diffusion_startup_lines(info: dict[str, Any], model_name: str, config: ServerConfig) -> list[str]:
+    """The banner of a diffusion server: model, pipeline, attention backend and why, the queue limit."""
+    d = info["defaults"]
+    return [
+        f"[sglx] model {model_name} ({info['model_path']}), {info['pipeline']}, --backend {info['backend']}, "
+        f"{info['device']} {info['dtype']}",
+        f"[sglx] attention backend: {info['attention_backend']} (selection: {info['attention_source']}; why: "
+        f"{info['attention_why']})",
+        f"[sglx] defaults {d['width']}x{d['height']}, {d['num_frames']} frame(s) at {d['fps']} fps, "
+        f"{d['num_inference_steps']} steps; one generation at a time, up to {config.max_queued_requests} waiting",
+        f"[sglx] serving on http://{config.host}:{config.port} (POST /v1/images/generations, /v1/videos"
+        f"{', API key required' if config.api_key else ''})",
+    ]
+
+
+def run_diffusion_server(engine_config: EngineConfig, config: ServerConfig, backend: str = "sglx") -> int:
+    """Blocking: serve a diffusion model until SIGINT/SIGTERM; returns the process exit code."""
+    from sglx.diffusion.engine import DiffusionEngine
+    from sglx.server.diffusion_app import create_diffusion_app
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = DiffusionEngine(engine_config, backend=backend)
+    try:
+        app = create_diffusion_app(engine, config)
+        for line in diffusion_startup_lines(engine.info, app.state.sglx.model_name, config):
+            print(line, file=sys.stderr, flush=True)
+        return _serve(app, config)
+    finally:
+        engine.close()

@@ -28,16 +28,20 @@ class ServerState:
         return self.config.served_model_name or Path(str(self.engine.runner.model_path)).name
 
     def check_model(self, model: str | None) -> None:
-        """`model` may be omitted; if given it must be the served name (404 otherwise, as OpenAI answers)."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_name}' "
-                                "(see GET /v1/models)", "model", "model_not_found")
+        check_model(model, self.model_name)
 
     def log_stream_error(self, exc: Exception) -> None:
         if isinstance(exc, APIError):
             log.warning("stream ended with an error: %s", exc.message)
         else:
             log.exception("stream failed", exc_info=exc)
+
+
+def check_model(model: str | None, served: str) -> None:
+    """`model` may be omitted; if given it must be the served name (404 otherwise, as OpenAI answers)."""
+    if model is not None and model != served:
+        raise APIError(404, f"model '{model}' does not exist; this server serves '{served}' (see GET /v1/models)",
+                       "model", "model_not_found")
 
 
 def engine_failure(message: str) -> APIError:
