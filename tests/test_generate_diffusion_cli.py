@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from diffusion_test_utils import make_tiny_wan
+from diffusion_test_utils import make_tiny_flux, make_tiny_wan
 from sglx.cli.app import app
 from sglx.diffusion.engine import DiffusionEngine
 from sglx.diffusion.request import DiffusionRequest
@@ -82,18 +82,29 @@ def test_output_dir_names_one_file_per_prompt(wan: Path, tmp_path: Path) -> None
                                                                       "001_blue_square_seed0.png"]
 
 
-def test_backend_diffusers_runs_diffusers_pipeline(wan: Path, tmp_path: Path) -> None:
-    """--backend diffusers runs diffusers' WanPipeline; same weights and seed give the same picture as sglx."""
-    ours = tmp_path / "sglx.png"
-    theirs = tmp_path / "diffusers.png"
-    for backend, out in (("sglx", ours), ("diffusers", theirs)):
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_flux(tmp_path_factory.mktemp("cli_flux"))
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_backend_diffusers_runs_diffusers_pipeline(family: str, request: pytest.FixtureRequest,
+                                                   tmp_path: Path) -> None:
+    """--backend diffusers runs diffusers' own pipeline; same weights and seed give the same picture as sglx."""
+    model = request.getfixturevalue(family)
+    cfg = (("--guidance-scale", "3") if family == "wan" else
+           ("--true-cfg-scale", "2", "--negative-prompt", "blue square"))
+    outs = {}
+    for backend in ("sglx", "diffusers"):
+        outs[backend] = tmp_path / f"{backend}.png"
         extra = ("--attention-backend", "native") if backend == "diffusers" else ()
-        proc = sglx("--model-path", str(wan), "-p", "a red circle", *SMALL, "--num-frames", "1", "--output",
-                    str(out), "--backend", backend, "--guidance-scale", "3", *extra, "--json")
+        proc = sglx("--model-path", str(model), "-p", "a red circle", *SMALL, "--num-frames", "1", "--output",
+                    str(outs[backend]), "--backend", backend, *cfg, *extra, "--json")
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["backend"] == backend
-    a = np.asarray(Image.open(ours)).astype(int)
-    b = np.asarray(Image.open(theirs)).astype(int)
+        record = json.loads(proc.stdout)
+        assert record["backend"] == backend
+    a = np.asarray(Image.open(outs["sglx"])).astype(int)
+    b = np.asarray(Image.open(outs["diffusers"])).astype(int)
     assert np.abs(a - b).max() <= 1  # float32 tolerance, rounded to uint8
 
 

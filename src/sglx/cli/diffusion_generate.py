@@ -26,6 +26,7 @@ class DiffusionFlags:
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
     height: int | None = None
     width: int | None = None
     num_frames: int | None = None
@@ -72,7 +73,7 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
     requests = [DiffusionRequest(prompt=p, negative_prompt=flags.negative_prompt, height=flags.height,
                                  width=flags.width, num_frames=flags.num_frames,
                                  num_inference_steps=flags.num_inference_steps, guidance_scale=flags.guidance_scale,
-                                 fps=flags.fps, seed=seed) for p in prompts]
+                                 true_cfg_scale=flags.true_cfg_scale, fps=flags.fps, seed=seed) for p in prompts]
     console = Console(stderr=True)
     with DiffusionEngine(config, backend=flags.backend) as engine:
         info = engine.info

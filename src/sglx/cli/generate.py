@@ -103,6 +103,10 @@ def generate(
     guidance_scale: float | None = typer.Option(None, "--guidance-scale", rich_help_panel=DIFFUSION,
                                                 help="CFG scale; > 1 runs the conditional and unconditional "
                                                      "branches as one batch (default: the model's)."),
+    true_cfg_scale: float | None = typer.Option(None, "--true-cfg-scale", rich_help_panel=DIFFUSION,
+                                                help="FLUX: real classifier-free guidance against --negative-prompt "
+                                                     "(diffusers' true_cfg_scale; > 1 turns it on). "
+                                                     "--guidance-scale is FLUX-dev's distilled guidance."),
     height: int | None = typer.Option(None, "--height", rich_help_panel=DIFFUSION, help="Pixels (default: the "
                                                                                        "model's)."),
     width: int | None = typer.Option(None, "--width", rich_help_panel=DIFFUSION, help="Pixels (default: the "
@@ -125,8 +129,8 @@ def generate(
     """
     from sglx.llm.sampling import SamplingParams
 
-    diffusion = DiffusionFlags(Backend(backend).value, negative_prompt, num_inference_steps, guidance_scale, height,
-                               width, num_frames, fps, output, output_dir)
+    diffusion = DiffusionFlags(Backend(backend).value, negative_prompt, num_inference_steps, guidance_scale,
+                               true_cfg_scale, height, width, num_frames, fps, output, output_dir)
     try:
         prompts = _read_prompts(prompt, prompts_file)
         if is_diffusion_model(engine_config.model_path) or (diffusion.given() and engine_config.model_path):

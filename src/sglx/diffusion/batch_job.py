@@ -50,7 +50,8 @@ def result_record(result: DiffusionResult, path: Path, info: dict[str, Any]) -> 
     req = result.request
     return {"prompt": req.prompt, "path": str(path), "seed": req.seed, "num_frames": int(result.frames.shape[0]),
             "height": req.height, "width": req.width, "fps": req.fps, "num_inference_steps": req.num_inference_steps,
-            "guidance_scale": req.guidance_scale, "negative_prompt": req.negative_prompt,
+            "guidance_scale": req.guidance_scale, "true_cfg_scale": req.true_cfg_scale,
+            "negative_prompt": req.negative_prompt,
             "attention_backend": result.attention_backend, "backend": info["backend"],
             "model_path": info["model_path"], "device": info["device"], "dtype": info["dtype"],
             "timings": result.timings.to_dict()}

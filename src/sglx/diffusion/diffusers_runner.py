@@ -21,6 +21,22 @@ GENERIC_DEFAULTS = DiffusionDefaults(height=512, width=512, num_frames=1, num_in
                                      guidance_scale=5.0)
 
 
+def _defaults_for(index: ModelIndex, pipe: Any, video: bool) -> DiffusionDefaults:
+    """The native pipeline's defaults for families sglx knows, so both backends run the same request."""
+    if index.pipeline_class == "WanPipeline":
+        from sglx.diffusion.pipelines.wan import WAN_DEFAULTS
+
+        return WAN_DEFAULTS
+    if index.pipeline_class == "FluxPipeline":
+        from sglx.diffusion.pipelines.flux import FLUX_DEV_DEFAULTS, FLUX_SCHNELL_DEFAULTS
+
+        guided = bool(getattr(pipe.transformer.config, "guidance_embeds", False))
+        return FLUX_DEV_DEFAULTS if guided else FLUX_SCHNELL_DEFAULTS
+    if video:
+        return DiffusionDefaults(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
+    return GENERIC_DEFAULTS
+
+
 class _TimedCalls:
     """Sums the wall time of calls to one method (text encoders, VAE decode) inside diffusers' pipeline."""
 
@@ -56,8 +72,7 @@ class DiffusersRunner:
         params = inspect.signature(pipe.__call__).parameters
         self.video = "num_frames" in params
         self.params = params
-        self.defaults = GENERIC_DEFAULTS if not self.video else DiffusionDefaults(
-            height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
+        self.defaults = _defaults_for(index, pipe, self.video)
 
     @classmethod
     def load(cls, index: ModelIndex, device: torch.device, dtype: torch.dtype, attention: str | None
@@ -117,6 +132,10 @@ class DiffusersRunner:
             kwargs["negative_prompt"] = req.negative_prompt
         if self.video:
             kwargs["num_frames"] = req.num_frames
+        if "true_cfg_scale" in self.params:
+            kwargs["true_cfg_scale"] = req.true_cfg_scale
+        elif req.true_cfg_scale != 1.0:
+            raise SglxError(f"--true-cfg-scale: diffusers' {self.index.pipeline_class} has no true CFG; drop it")
         if "max_sequence_length" in self.params:
             kwargs["max_sequence_length"] = req.max_sequence_length
         if progress is not None and "callback_on_step_end" in self.params:
