@@ -5,7 +5,7 @@
 _sglx_subcommands() {
     case "$1" in
         'sglx') echo 'doctor generate serve bench' ;;
-        'sglx bench') echo 'serving attention one-batch' ;;
+        'sglx bench') echo 'serving attention one-batch diffusion' ;;
         *) ;;
     esac
 }
@@ -15,12 +15,13 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
         'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
         'sglx bench one-batch') echo '--batch-size --input-len --output-len --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --help' ;;
+        'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
         *) ;;
     esac
 }
@@ -44,6 +45,18 @@ _sglx_nargs() {
         'sglx generate --stop') echo '1' ;;
         'sglx generate --stop-token-id') echo '1' ;;
         'sglx generate --seed') echo '1' ;;
+        'sglx generate --backend') echo '1' ;;
+        'sglx generate --negative-prompt') echo '1' ;;
+        'sglx generate --num-inference-steps') echo '1' ;;
+        'sglx generate --guidance-scale') echo '1' ;;
+        'sglx generate --true-cfg-scale') echo '1' ;;
+        'sglx generate --height') echo '1' ;;
+        'sglx generate --width') echo '1' ;;
+        'sglx generate --num-frames') echo '1' ;;
+        'sglx generate --fps') echo '1' ;;
+        'sglx generate --output') echo '1' ;;
+        'sglx generate -o') echo '1' ;;
+        'sglx generate --output-dir') echo '1' ;;
         'sglx generate --model-path') echo '1' ;;
         'sglx generate --tokenizer-path') echo '1' ;;
         'sglx generate --load-format') echo '1' ;;
@@ -70,6 +83,8 @@ _sglx_nargs() {
         'sglx serve --max-request-bytes') echo '1' ;;
         'sglx serve --log-level') echo '1' ;;
         'sglx serve --grace-period') echo '1' ;;
+        'sglx serve --backend') echo '1' ;;
+        'sglx serve --max-queued-requests') echo '1' ;;
         'sglx serve --model-path') echo '1' ;;
         'sglx serve --tokenizer-path') echo '1' ;;
         'sglx serve --load-format') echo '1' ;;
@@ -145,6 +160,19 @@ _sglx_nargs() {
         'sglx bench one-batch --context-length') echo '1' ;;
         'sglx bench one-batch --random-seed') echo '1' ;;
         'sglx bench one-batch --cuda-graph-max-bs') echo '1' ;;
+        'sglx bench diffusion --backend') echo '1' ;;
+        'sglx bench diffusion --shape') echo '1' ;;
+        'sglx bench diffusion --step-backend') echo '1' ;;
+        'sglx bench diffusion --num-frames') echo '1' ;;
+        'sglx bench diffusion --height') echo '1' ;;
+        'sglx bench diffusion --width') echo '1' ;;
+        'sglx bench diffusion --num-layers') echo '1' ;;
+        'sglx bench diffusion --dtype') echo '1' ;;
+        'sglx bench diffusion --device') echo '1' ;;
+        'sglx bench diffusion --warmup-ms') echo '1' ;;
+        'sglx bench diffusion --rep-ms') echo '1' ;;
+        'sglx bench diffusion --seed') echo '1' ;;
+        'sglx bench diffusion --output') echo '1' ;;
         *) echo '0' ;;
     esac
 }
@@ -154,18 +182,20 @@ _sglx_values() {
     case "$1" in
         'sglx doctor --family') echo 'llm diffusion' ;;
         'sglx generate --prompts-file') echo '@file' ;;
+        'sglx generate --backend') echo 'sglx diffusers' ;;
         'sglx generate --load-format') echo 'auto safetensors dummy' ;;
         'sglx generate --dtype') echo 'auto bfloat16 float16 float32' ;;
         'sglx generate --device') echo 'auto cpu cuda' ;;
-        'sglx generate --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx generate --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers' ;;
         'sglx generate --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx generate --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx generate --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
         'sglx serve --log-level') echo 'critical error warning info debug' ;;
+        'sglx serve --backend') echo 'sglx diffusers' ;;
         'sglx serve --load-format') echo 'auto safetensors dummy' ;;
         'sglx serve --dtype') echo 'auto bfloat16 float16 float32' ;;
         'sglx serve --device') echo 'auto cpu cuda' ;;
-        'sglx serve --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx serve --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers' ;;
         'sglx serve --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx serve --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx serve --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
@@ -184,10 +214,16 @@ _sglx_values() {
         'sglx bench one-batch --load-format') echo 'auto safetensors dummy' ;;
         'sglx bench one-batch --dtype') echo 'auto bfloat16 float16 float32' ;;
         'sglx bench one-batch --device') echo 'auto cpu cuda' ;;
-        'sglx bench one-batch --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench one-batch --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers' ;;
         'sglx bench one-batch --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx bench one-batch --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx bench one-batch --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx bench diffusion --backend') echo 'fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn' ;;
+        'sglx bench diffusion --shape') echo 'wan-1.3b wan-14b-720p flux-1024 tiny-video tiny-joint' ;;
+        'sglx bench diffusion --step-backend') echo 'fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn' ;;
+        'sglx bench diffusion --dtype') echo 'bfloat16 float16 float32' ;;
+        'sglx bench diffusion --device') echo 'auto cpu cuda' ;;
+        'sglx bench diffusion --output') echo '@file' ;;
         *) ;;
     esac
 }

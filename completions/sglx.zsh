@@ -15,7 +15,7 @@ _sglx() {
             local -a commands
             commands=(
                 'doctor:Which attention backends work on this machine, why the others don'\''t, and what auto-selection picks.'
-                'generate:Generate text for one or more prompts (default model: the tiny key-value-recall model shipped...'
+                'generate:Generate text (LLMs) or images and videos (diffusion models) for one or more prompts.'
                 'serve:Serve a model over an OpenAI-compatible HTTP API (default: the tiny model embedded in sglx).'
                 'bench:Benchmarks: serving load against an OpenAI-compatible endpoint, attention kernels against...'
             )
@@ -63,12 +63,24 @@ _sglx_generate() {
         '--stop-token-id=[Stop token id (repeatable).]:stop-token-id: ' \
         '--ignore-eos[Keep generating past EOS.]' \
         '--seed=[Sampling seed (same seed, same text).]:seed: ' \
-        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--backend=[Diffusion models: sglx'\''s native pipeline, or diffusers'\'' own pipeline (families sglx does not run...]:backend:(sglx diffusers)' \
+        '--negative-prompt=[What to steer away from (classifier-free guidance).]:negative-prompt: ' \
+        '--num-inference-steps=[Denoising steps (default: the model'\''s).]:num-inference-steps: ' \
+        '--guidance-scale=[CFG scale; > 1 runs the conditional and unconditional branches as one batch (default: the model'\''s).]:guidance-scale: ' \
+        '--true-cfg-scale=[FLUX: real classifier-free guidance against --negative-prompt (diffusers'\'' true_cfg_scale; > 1 tur...]:true-cfg-scale: ' \
+        '--height=[Pixels (default: the model'\''s).]:height: ' \
+        '--width=[Pixels (default: the model'\''s).]:width: ' \
+        '--num-frames=[Frames (Wan takes 4k+1; 1 = a still image).]:num-frames: ' \
+        '--fps=[Frames per second of the written video.]:fps: ' \
+        '(--output -o)--output=[Output file for one prompt; the suffix picks the format: .png .jpg .webp (stills), .mp4 .gif (vid...]:output: ' \
+        '(--output -o)-o[Output file for one prompt; the suffix picks the format: .png .jpg .webp (stills), .mp4 .gif (vid...]:output: ' \
+        '--output-dir=[Folder for one file per prompt (default: ./outputs).]:output-dir: ' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model dire...]:model-path: ' \
         '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
         '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
         '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
         '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
-        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
@@ -97,12 +109,14 @@ _sglx_serve() {
         '--max-request-bytes=[Larger request bodies are refused with 413.]:max-request-bytes: ' \
         '--log-level=[Server log level.]:log-level:(critical error warning info debug)' \
         '--grace-period=[Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.]:grace-period: ' \
-        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--backend=[Diffusion models: sglx'\''s native pipeline, or diffusers'\'' own pipeline (--attention-backend then ta...]:backend:(sglx diffusers)' \
+        '--max-queued-requests=[Diffusion models: generation jobs (images, videos) that may wait behind the running one; more are...]:max-queued-requests: ' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model dire...]:model-path: ' \
         '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
         '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
         '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
         '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
-        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
@@ -136,6 +150,7 @@ _sglx_bench() {
                 'serving:Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, median,...'
                 'attention:Check, then time, LLM attention backends per phase and shape against SDPA (cuDNN) and FlashInfer.'
                 'one-batch:Latency of one static batch without a server: prefill, per-step decode and the memory-roofline...'
+                'diffusion:DiT attention at Wan/FLUX shapes vs cuDNN SDPA and FA4, and one dummy Wan2.1-1.3B step vs diffusers.'
             )
             _describe -t commands 'sglx bench command' commands && ret=0
             ;;
@@ -145,6 +160,7 @@ _sglx_bench() {
                 'serving') _sglx_bench_serving ;;
                 'attention') _sglx_bench_attention ;;
                 'one-batch') _sglx_bench_one_batch ;;
+                'diffusion') _sglx_bench_diffusion ;;
             esac
             ret=$?
             ;;
@@ -208,12 +224,12 @@ _sglx_bench_one_batch() {
         '--output-len=[Generated tokens per request (1 from the prefill, the rest from decode steps).]:output-len: ' \
         '--json[Print the report as JSON instead of a table.]' \
         '--output=[Also write the JSON report here.]:output:_files' \
-        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a shipped config na...]:model-path: ' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model dire...]:model-path: ' \
         '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
         '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
         '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
         '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
-        '--attention-backend=[Attention backend for prefill and decode (default: auto selection; see `sglx doctor`).]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
@@ -230,6 +246,29 @@ _sglx_bench_one_batch() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_bench_diffusion() {
+    _arguments -s \
+        '--backend=[sglx diffusion backend for the attention part (repeatable; default: every one usable here).]:backend:(fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn)' \
+        '--shape=[DiT attention shape, repeatable (GPU default: wan-1.3b, wan-14b-720p, flux-1024; CPU: tiny-video,...]:shape:(wan-1.3b wan-14b-720p flux-1024 tiny-video tiny-joint)' \
+        '--step-backend=[sglx backend of the Wan step (default: auto).]:step-backend:(fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn)' \
+        '--attention-only[Skip the Wan denoising step.]' \
+        '--step-only[Skip the attention shapes.]' \
+        '--num-frames=[Wan step: video frames (4k+1).]:num-frames: ' \
+        '--height=[Wan step: video height in pixels.]:height: ' \
+        '--width=[Wan step: video width in pixels.]:width: ' \
+        '--num-layers=[Wan step: transformer blocks (default 30).]:num-layers: ' \
+        '--tiny[Wan step: a 2-layer toy of the same architecture (CPU).]' \
+        '--dtype=[Compute dtype (GPU bfloat16, CPU float32).]:dtype:(bfloat16 float16 float32)' \
+        '--device=[auto = cuda when available.]:device:(auto cpu cuda)' \
+        '--no-baselines[Attention: skip cuDNN/flash SDPA and FA4.]' \
+        '--warmup-ms=[Warm-up time per timed call.]:warmup-ms: ' \
+        '--rep-ms=[Time spent on timed runs per call (median).]:rep-ms: ' \
+        '--seed=[Seed of the random inputs and weights.]:seed: ' \
+        '--json[Print the report as JSON instead of tables.]' \
+        '--output=[Also write the JSON report here.]:output:_files' \
         '--help[Show this message and exit.]'
 }
 

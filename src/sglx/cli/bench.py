@@ -228,3 +228,76 @@ def one_batch(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     _write_report(report, json_output, output, report_table(report))
+
+
+def _diffusion_backend_names() -> tuple[str, ...]:
+    from sglx.attention.registry import backend_names
+
+    return backend_names("diffusion")
+
+
+DiffusionBackend = enum.Enum("DiffusionBackend", {k: k for k in _diffusion_backend_names()},  # type: ignore[misc]
+                             type=str)
+DiTShapeName = enum.Enum("DiTShapeName", {k: k for k in ("wan-1.3b", "wan-14b-720p", "flux-1024", "tiny-video",  # type: ignore[misc]
+                                                          "tiny-joint")}, type=str)
+
+
+@bench_app.command("diffusion")
+def diffusion(
+    backend: list[DiffusionBackend] | None = typer.Option(  # type: ignore[valid-type]
+        None, "--backend", case_sensitive=False,
+        help="sglx diffusion backend for the attention part (repeatable; default: every one usable here)."),
+    shape: list[DiTShapeName] | None = typer.Option(  # type: ignore[valid-type]
+        None, "--shape", help="DiT attention shape, repeatable (GPU default: wan-1.3b, wan-14b-720p, flux-1024; "
+                              "CPU: tiny-video, tiny-joint)."),
+    step_backend: DiffusionBackend | None = typer.Option(  # type: ignore[valid-type]
+        None, "--step-backend", case_sensitive=False, help="sglx backend of the Wan step (default: auto)."),
+    attention_only: bool = typer.Option(False, "--attention-only", help="Skip the Wan denoising step."),
+    step_only: bool = typer.Option(False, "--step-only", help="Skip the attention shapes."),
+    num_frames: int = typer.Option(81, "--num-frames", help="Wan step: video frames (4k+1)."),
+    height: int = typer.Option(480, "--height", help="Wan step: video height in pixels."),
+    width: int = typer.Option(832, "--width", help="Wan step: video width in pixels."),
+    num_layers: int | None = typer.Option(None, "--num-layers", help="Wan step: transformer blocks (default 30)."),
+    tiny: bool = typer.Option(False, "--tiny", help="Wan step: a 2-layer toy of the same architecture (CPU)."),
+    dtype: BenchDtype | None = typer.Option(None, "--dtype", help="Compute dtype (GPU bfloat16, CPU float32)."),  # type: ignore[valid-type]
+    device: Device = typer.Option("auto", "--device", help="auto = cuda when available."),  # type: ignore[valid-type]
+    no_baselines: bool = typer.Option(False, "--no-baselines", help="Attention: skip cuDNN/flash SDPA and FA4."),
+    warmup_ms: float | None = typer.Option(None, "--warmup-ms", help="Warm-up time per timed call."),
+    rep_ms: float | None = typer.Option(None, "--rep-ms", help="Time spent on timed runs per call (median)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs and weights."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+    output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
+) -> None:
+    """DiT attention at Wan/FLUX shapes vs cuDNN SDPA and FA4, and one dummy Wan2.1-1.3B step vs diffusers."""
+    from rich.console import Console
+
+    from sglx.bench.diffusion import DiffusionAttentionBenchConfig
+    from sglx.bench.diffusion_report import report_tables, run_diffusion_bench
+    from sglx.bench.diffusion_step import StepConfig
+    from sglx.llm.model_runner import resolve_device
+
+    try:
+        if attention_only and step_only:
+            raise SglxError("--attention-only and --step-only exclude each other")
+        dev = resolve_device(Device(device).value)
+        dt = BenchDtype(dtype).value if dtype else None
+        att = None if step_only else DiffusionAttentionBenchConfig(
+            shapes=tuple(DiTShapeName(s).value for s in shape or ()),
+            backends=tuple(DiffusionBackend(b).value for b in backend or ()), dtype=dt,
+            baselines=not no_baselines, warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed)
+        step = None if attention_only else StepConfig(
+            frames=num_frames, height=height, width=width, num_layers=num_layers,
+            backend=DiffusionBackend(step_backend).value if step_backend else None,
+            dtype=dt or ("bfloat16" if dev.type == "cuda" else "float32"), tiny=tiny, warmup_ms=warmup_ms,
+            rep_ms=rep_ms, seed=seed)
+        err = Console(stderr=True)
+        with err.status("sglx bench diffusion") as status:
+            report = run_diffusion_bench(att, step, dev, progress=lambda m: status.update(m))
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _write_report(report, json_output, output, report_tables(report))
+    for message in report["failed"]:
+        typer.echo(f"error: {message}", err=True)
+    if report["failed"]:
+        raise typer.Exit(1)

@@ -1,13 +1,20 @@
-"""sglx's processor for diffusers' WanAttention: projections and norms as diffusers, attention as sglx."""
+"""sglx's processor for diffusers' WanAttention: projections as diffusers, prologue and attention as sglx.
+
+Self-attention takes one fused QKV projection (`fuse_qkv`), whose q/k chunks go straight into the fused
+RMSNorm + rotary kernel (qk_norm_rope.py) and whose v chunk goes to the backend as a strided view:
+no copies or transposes before the kernel. The arithmetic is diffusers' (see test_diffusion_wan.py).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from sglx.attention.diffusion.base import DiffusionAttentionBackend
-from sglx.diffusion.dit_attention import DiTAttention, apply_interleaved_rotary
+from sglx.diffusion.dit_attention import DiTAttention
+from sglx.diffusion.qk_norm_rope import norm_rope
 
 
 class WanAttnProcessor:
@@ -29,12 +36,9 @@ class WanAttnProcessor:
             image_context, encoder_hidden_states = encoder_hidden_states[:, :split], encoder_hidden_states[:, split:]
         cross = encoder_hidden_states is not None
         query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        query = norm_rope(query, attn.norm_q, attn.heads, rotary_emb)
+        key = norm_rope(key, attn.norm_k, attn.heads, rotary_emb)
         value = value.unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = apply_interleaved_rotary(query, *rotary_emb)
-            key = apply_interleaved_rotary(key, *rotary_emb)
         if cross:
             out = self.attention.cross_attention(query, key, value)
         else:
@@ -49,10 +53,33 @@ class WanAttnProcessor:
         return attn.to_out[1](out)
 
 
-def install(transformer: Any, backend: DiffusionAttentionBackend) -> int:
+def _share(linear: nn.Linear, fused: nn.Linear, start: int) -> None:
+    """Point a projection's weight and bias at its rows of the fused projection (no second copy in memory)."""
+    rows = linear.out_features
+    linear.weight = nn.Parameter(fused.weight[start:start + rows], requires_grad=False)
+    linear.bias = nn.Parameter(fused.bias[start:start + rows], requires_grad=False)
+
+
+@torch.no_grad()
+def fuse_qkv(attn: Any) -> None:
+    """diffusers' fuse_projections (one GEMM for q, k, v; one for cross k, v), sharing the weights' memory."""
+    if getattr(attn, "fused_projections", False) or attn.to_q.bias is None:
+        return
+    attn.fuse_projections()
+    if hasattr(attn, "to_qkv"):
+        for i, lin in enumerate((attn.to_q, attn.to_k, attn.to_v)):
+            _share(lin, attn.to_qkv, i * lin.out_features)
+    if hasattr(attn, "to_kv"):
+        for i, lin in enumerate((attn.to_k, attn.to_v)):
+            _share(lin, attn.to_kv, i * lin.out_features)
+
+
+def install(transformer: Any, backend: DiffusionAttentionBackend, fuse: bool = True) -> int:
     """Put sglx's processor on every attention of a WanTransformer3DModel; returns the number of blocks."""
     for index, block in enumerate(transformer.blocks):
         attention = DiTAttention(backend, index)
-        block.attn1.set_processor(WanAttnProcessor(attention))
-        block.attn2.set_processor(WanAttnProcessor(attention))
+        for attn in (block.attn1, block.attn2):
+            if fuse:
+                fuse_qkv(attn)
+            attn.set_processor(WanAttnProcessor(attention))
     return len(transformer.blocks)
