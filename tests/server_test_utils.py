@@ -40,7 +40,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m sglx serve ...` on 127.0.0.1:<free port>; `stop()` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, model: Path, *extra: str, log_dir: Path) -> None:
+    def __init__(self, model: Path, *extra: str, log_dir: Path, engine_args: tuple[str, ...] = ENGINE_ARGS) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -48,7 +48,7 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("SGLX_API_KEY", None)
         self.args = [sys.executable, "-m", "sglx", "serve", "--model-path", str(model), "--port", str(self.port),
-                     *ENGINE_ARGS, *extra]
+                     *engine_args, *extra]
         self.signalled = False
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
