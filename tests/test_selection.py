@@ -422,7 +422,8 @@ def test_explicit_with_broken_package_reports_import_error() -> None:
     pytest.param(MLA, "trtllm_mha", ("trtllm_mha has no MLA implementation",), id="trtllm_mha-for-mla"),
     pytest.param(MHA, "flashmla", ("flashmla has no MHA implementation", "an MHA model", "MHA backends:"),
                  id="mla-only-name-for-mha"),
-    pytest.param(MHA, "torch_sdpa", ("unknown attention backend",), id="diffusion-name-for-llm"),
+    pytest.param(MHA, "torch_sdpa", ("torch_sdpa is a diffusion attention backend, and this is an MHA model",
+                                     "Choose one of:", "triton"), id="diffusion-name-for-llm"),
 ])
 def test_bad_backend_names(traits: ModelTraits, name: str, needles: tuple[str, ...]) -> None:
     msg = raises_unavailable(select_llm, machine("h100_cu124"), traits, LLMBackendArgs(attention_backend=name))
@@ -715,8 +716,8 @@ def test_diffusion_force_unknown_name_lists_choices_and_keeps_previous() -> None
     pytest.param("mi300", ("st_attn",), None, "sliding_tile_attn", ("runs on CUDA only; this machine is ROCm",),
                  id="sta-on-rocm"),
     pytest.param("h100_cu124", (), None, "aiter", ("runs on ROCm only",), id="aiter-on-cuda"),
-    pytest.param("h100_cu124", (), None, "flashinfer", ("--attention-backend flashinfer: unknown attention backend",
-                                                        "torch_sdpa"), id="llm-name"),
+    pytest.param("h100_cu124", (), None, "flashinfer", ("--attention-backend flashinfer: flashinfer is an LLM "
+                                                        "attention backend", "torch_sdpa"), id="llm-name"),
 ])
 def test_diffusion_explicit_errors(name, packages, forced, cli, needles) -> None:  # type: ignore[no-untyped-def]
     global_force_attn_backend(forced)
