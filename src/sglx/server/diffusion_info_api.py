@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sglx import __version__
 from sglx.server.diffusion_state import DiffusionServerState
 from sglx.server.errors import APIError
-from sglx.server.info_api import server_options
+from sglx.server.info_api import health_response, model_list, server_options
 
 
 def _state(request: Request) -> DiffusionServerState:
@@ -17,16 +17,12 @@ def _state(request: Request) -> DiffusionServerState:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    if state.stopping or not state.queue.alive:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return health_response(not state.stopping and state.queue.alive)
 
 
 async def models(request: Request) -> Response:
     state = _state(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglx",
-        "root": str(state.engine.info["model_path"])}]})
+    return model_list(state, str(state.engine.info["model_path"]))
 
 
 async def server_info(request: Request) -> Response:

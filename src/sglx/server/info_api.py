@@ -18,18 +18,27 @@ def _state(request: Request) -> ServerState:
     return request.app.state.sglx
 
 
+def health_response(serving: bool) -> Response:
+    """200 while the server takes requests; 503 while it drains or its engine stopped (load balancers look here)."""
+    return JSONResponse({"status": "ok"} if serving else {"status": "unavailable"}, status_code=200 if serving else 503)
+
+
+def model_list(state: Any, root: str, **extra: Any) -> Response:
+    """/v1/models: the one served model (state: any server state with model_name and created)."""
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglx", "root": root,
+        **extra}]})
+
+
 async def health(request: Request) -> Response:
     state = _state(request)
-    if state.stopping or not state.engine.scheduler.alive:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return health_response(not state.stopping and state.engine.scheduler.alive)
 
 
 async def models(request: Request) -> Response:
     state = _state(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "sglx",
-        "root": str(state.engine.runner.model_path), "max_model_len": state.engine.runner.memory.context_length}]})
+    runner = state.engine.runner
+    return model_list(state, str(runner.model_path), max_model_len=runner.memory.context_length)
 
 
 def attention_summary(info: dict[str, Any]) -> dict[str, Any]:
