@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Train the embedded diffusion model (``src/sglx/diffusion/embedded/tiny-shapes``) from scratch.
+
+A tiny Wan2.1-architecture text-to-video model in diffusers format: UMT5 text encoder (word-level
+tokenizer), WanTransformer3DModel (2 heads of dim 64, patch 1x2x2) and AutoencoderKLWan (4x spatial,
+4x temporal compression), trained on the synthetic clips of ``sglx.diffusion.embedded.shapes_task``
+("a red circle moving right", 64x64, 17 frames; still prompts and one-frame clips too).
+
+Stages (every one seeded; the step counts actually run are written to train_info.json):
+  1. VAE: reconstruction (L1 + MSE, lit pixels weighted up) with a small KL term, on 17-frame clips.
+  2. Latents: the VAE's posterior means for a fixed set of rendered clips; per-channel mean/std
+     become the VAE config's latents_mean/latents_std (the pipeline un-normalises with them).
+  3. DiT + text encoder jointly: flow matching (x_t = (1-s) x0 + s noise, target noise - x0,
+     s from uniform u shifted by the scheduler's shift, as FlowMatchEulerDiscreteScheduler samples),
+     10% of prompts dropped to "" so classifier-free guidance works; a quarter of the steps are
+     one-frame batches (the first latent frame is a causal encoding of the first frame alone), and
+     some 17-frame clips stand still under a still prompt. EMA weights are the ones saved.
+
+    # the shipped model: one GPU (see README.md of the model for the run that made it)
+    python scripts/train_tiny_shapes.py --device cuda --out /tmp/tiny-shapes
+    # smoke test on CPU (seconds; the model draws nothing useful)
+    python scripts/train_tiny_shapes.py --device cpu --vae-steps 2 --dit-steps 2 --clips 64 --batch 4 --out /tmp/s
+
+The output folder is a diffusers WanPipeline directory plus sglx.json (the defaults sglx samples with)
+and train_info.json (arguments, steps run, losses, timings), which is not shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, rel: str):  # noqa: ANN202
+    """Load a module by path, so the script runs where sglx is not installed (only its source is)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+task = _load("shapes_task", "src/sglx/diffusion/embedded/shapes_task.py")
+word_tokenizer = _load("word_tokenizer", "src/sglx/diffusion/word_tokenizer.py")
+
+Z_DIM = 16
+MAX_LEN = 8  # tokens per prompt: "a red circle moving right" is 5 words + </s>
+SHIFT = 2.0  # flow shift, used for training timesteps and saved in the scheduler
+DEFAULTS = {"height": 64, "width": 64, "num_frames": 17, "num_inference_steps": 16, "guidance_scale": 4.0,
+            "fps": 8, "max_sequence_length": MAX_LEN}
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def build_models(vocab: int):  # noqa: ANN201
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    vae = AutoencoderKLWan(base_dim=16, decoder_base_dim=12, z_dim=Z_DIM, dim_mult=[1, 2, 4], num_res_blocks=1,
+                           temperal_downsample=[True, True], scale_factor_temporal=4, scale_factor_spatial=4,
+                           latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64,
+                                        in_channels=Z_DIM, out_channels=Z_DIM, text_dim=64, freq_dim=64,
+                                        ffn_dim=512, num_layers=6, rope_max_seq_len=64)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
+    return text_encoder, vae, transformer, scheduler
+
+
+# -------------------------------------------------------------------------------------------- data
+
+
+def render_batch(specs: list, rng: np.random.Generator, num_frames: int) -> torch.Tensor:
+    """[B, 3, F, H, W] floats in [-1, 1] (the VAE's input range)."""
+    clips = np.stack([task.render_random(s, rng, num_frames) for s in specs])  # [B, F, H, W, 3]
+    return torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)
+
+
+def random_specs(rng: np.random.Generator, n: int, still_share: float) -> list:
+    motion, still = task.motion_specs(), task.still_specs()
+    return [still[rng.integers(len(still))] if rng.random() < still_share else motion[rng.integers(len(motion))]
+            for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------- VAE
+
+
+def schedule(step: int, warmup: int, progress: float) -> float:
+    """Linear warm-up, then cosine down to 10%; progress counts steps or seconds, whichever runs out first,
+    so a stage cut short by its time limit still ends annealed."""
+    return min(1.0, step / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
+    rng = np.random.default_rng(args.seed + 1)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    vae.train()
+    t0, step, losses = time.time(), 0, []
+    for step in range(1, args.vae_steps + 1):
+        lr = args.vae_lr * schedule(step, 100, max(step / args.vae_steps, (time.time() - t0) / args.vae_seconds))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        frames = 1 if step % 4 == 0 else task.NUM_FRAMES
+        x = render_batch(random_specs(rng, args.vae_batch, 0.15), rng, frames).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            h = vae._encode(x)
+            mu, logvar = h.float().chunk(2, dim=1)
+            logvar = logvar.clamp(-30, 20)
+            z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+            rec = vae._decode(z, return_dict=False)[0].float()
+        weight = 1.0 + 4.0 * (x.amax(dim=1, keepdim=True) > 0).float()
+        err = rec - x
+        rec_loss = (weight * (err.abs() + err.square())).mean()
+        kl = 0.5 * (mu.square() + logvar.exp() - 1 - logvar).mean()
+        loss = rec_loss + args.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        losses.append(rec_loss.item())
+        if step % 100 == 0 or step == args.vae_steps:
+            log(f"vae step {step} rec {np.mean(losses[-100:]):.4f} kl {kl.item():.3f} lr {lr:.2e} "
+                f"{time.time() - t0:.0f}s")
+        if time.time() - t0 > args.vae_seconds:
+            log(f"vae: time limit after {step} steps")
+            break
+    vae.eval()
+    info = {"vae_steps_run": step, "vae_rec_loss": float(np.mean(losses[-100:])), "vae_seconds": time.time() - t0}
+    info["vae_recon_attributes_right"] = vae_recon_check(vae, args, device)
+    log(f"vae: {info['vae_recon_attributes_right']:.3f} of attributes right after reconstruction")
+    return info
+
+
+@torch.no_grad()
+def vae_recon_check(vae, args, device: torch.device) -> float:  # noqa: ANN001
+    """Share of attributes the pixel checker still sees after encode (posterior mean) + decode."""
+    rng = np.random.default_rng(args.seed + 5)
+    specs = task.motion_specs() + task.still_specs()
+    x = render_batch(specs, rng, task.NUM_FRAMES).to(device)
+    rec = vae._decode(vae._encode(x)[:, :Z_DIM], return_dict=False)[0]
+    frames = ((rec.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 4, 1).cpu().numpy()
+    right = [v for s, f in zip(specs, frames) for v in task.score(s, task.judge(f), len(f)).values()]
+    return sum(right) / len(right)
+
+
+@torch.no_grad()
+def encode_dataset(vae, args, device: torch.device) -> tuple[torch.Tensor, list]:  # noqa: ANN001
+    """Posterior means of args.clips rendered clips ([N, Z, 5, 16, 16]) and their specs."""
+    rng = np.random.default_rng(args.seed + 2)
+    specs = random_specs(rng, args.clips, 0.15)
+    out = []
+    for i in range(0, len(specs), 256):
+        x = render_batch(specs[i:i + 256], rng, task.NUM_FRAMES).to(device)
+        out.append(vae._encode(x)[:, :Z_DIM].float())
+    return torch.cat(out), specs
+
+
+# ----------------------------------------------------------------------------------------- text + DiT
+
+
+def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:  # noqa: ANN001
+    """Embeddings exactly as sglx's (and diffusers') Wan pipeline builds them: zeros past the prompt."""
+    inputs = tokenizer(prompts, padding="max_length", max_length=MAX_LEN, truncation=True,
+                       add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    embeds = text_encoder(ids, mask).last_hidden_state
+    return torch.where(mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
+
+
+def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs: list, args,  # noqa: ANN001
+              device: torch.device, log) -> tuple[dict, torch.nn.ModuleDict]:  # noqa: ANN001
+    rng = np.random.default_rng(args.seed + 3)
+    gen = torch.Generator(device).manual_seed(args.seed + 4)
+    models = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder}).train()
+    ema = copy.deepcopy(models).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(models.parameters(), lr=args.dit_lr, weight_decay=0.01)
+    motion_idx = np.array([i for i, s in enumerate(specs) if s.direction is not None])
+    still_idx = np.array([i for i, s in enumerate(specs) if s.direction is None])
+    t0, step, losses = time.time(), 0, []
+    for step in range(1, args.dit_steps + 1):
+        lr = args.dit_lr * schedule(step, 300, max(step / args.dit_steps, (time.time() - t0) / args.dit_seconds))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        one_frame = step % 4 == 0
+        if one_frame:  # an image: the first frame of any clip, under its own or its still prompt
+            idx = rng.integers(len(specs), size=args.batch * 2)
+            x0 = latents[torch.as_tensor(idx, device=device), :, :1]
+            prompts = [specs[i].prompt if rng.random() < 0.5 else task.ShapeSpec(specs[i].shape, specs[i].colour).prompt
+                       for i in idx]
+        else:
+            n_still = int(round(args.batch * 0.15))
+            idx = np.concatenate([rng.choice(motion_idx, args.batch - n_still), rng.choice(still_idx, n_still)])
+            x0 = latents[torch.as_tensor(idx, device=device)]
+            prompts = [specs[i].prompt for i in idx]
+        prompts = ["" if rng.random() < args.text_dropout else p for p in prompts]
+        b = x0.shape[0]
+        u = torch.rand(b, device=device, generator=gen)
+        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
+        noise = torch.randn(x0.shape, device=device, generator=gen)
+        s = sigma.view(b, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            context = encode_text(tokenizer, models["text_encoder"], prompts, device)
+            pred = models["transformer"](hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
+                                         return_dict=False)[0]
+        loss = F.mse_loss(pred.float(), noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
+        opt.step()
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(models.parameters()), 1 - decay)
+        losses.append(loss.item())
+        if step % 200 == 0 or step == args.dit_steps:
+            log(f"dit step {step} loss {np.mean(losses[-200:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
+        if time.time() - t0 > args.dit_seconds:
+            log(f"dit: time limit after {step} steps")
+            break
+    info = {"dit_steps_run": step, "dit_loss": float(np.mean(losses[-200:])), "dit_seconds": time.time() - t0}
+    return info, ema
+
+
+# -------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output model folder")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vae-steps", type=int, default=3000)
+    p.add_argument("--vae-batch", type=int, default=32)
+    p.add_argument("--vae-lr", type=float, default=2e-3)
+    p.add_argument("--kl-weight", type=float, default=1e-4)
+    p.add_argument("--vae-seconds", type=float, default=150.0, help="stop the VAE stage after this long")
+    p.add_argument("--clips", type=int, default=16384, help="clips encoded once for the DiT stage")
+    p.add_argument("--dit-steps", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--dit-lr", type=float, default=8e-4)
+    p.add_argument("--text-dropout", type=float, default=0.1)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--dit-seconds", type=float, default=270.0, help="stop the DiT stage after this long")
+    args = p.parse_args()
+
+    from diffusers import WanPipeline
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "train_log.txt").open("w")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    tokenizer = word_tokenizer.build_word_tokenizer(task.WORDS)
+    text_encoder, vae, transformer, scheduler = build_models(len(tokenizer))
+    for name, m in (("text_encoder", text_encoder), ("vae", vae), ("transformer", transformer)):
+        log(f"{name}: {sum(x.numel() for x in m.parameters()) / 1e6:.3f}M parameters")
+    text_encoder, vae, transformer = text_encoder.to(device), vae.to(device), transformer.to(device)
+    t_start = time.time()
+    info: dict = {"args": vars(args), "torch": torch.__version__,
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    info.update(train_vae(vae, args, device, log))
+    vae.requires_grad_(False)
+
+    t = time.time()
+    latents, specs = encode_dataset(vae, args, device)
+    mean = latents.mean(dim=(0, 2, 3, 4))
+    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    latents = (latents - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
+                           latents_std=[round(float(v), 5) for v in std])
+    info["encode_seconds"] = time.time() - t
+    log(f"encoded {len(specs)} clips in {info['encode_seconds']:.0f}s; latent std {std.mean():.3f}")
+
+    dit_info, ema = train_dit(transformer, text_encoder, tokenizer, latents, specs, args, device, log)
+    info.update(dit_info)
+    info["total_seconds"] = time.time() - t_start
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=ema["text_encoder"].float().cpu(), vae=vae.float().cpu(),
+                       transformer=ema["transformer"].float().cpu(), scheduler=scheduler)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    (out / "sglx.json").write_text(json.dumps({"defaults": DEFAULTS}, indent=2) + "\n")
+    (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"saved {out} ({info['total_seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
