@@ -331,29 +331,37 @@ class GatedEngine:
                 self.active -= 1
 
 
-@pytest.fixture
-def gated(engine: DiffusionEngine) -> Iterator[tuple[GatedEngine, str]]:
+@contextlib.contextmanager
+def serve_in_thread(engine: Any, **options: Any) -> Iterator[str]:
+    """The diffusion app over `engine` in a uvicorn thread on a free loopback port; yields its base URL."""
     import uvicorn
 
     from sglx.server.config import ServerConfig
     from sglx.server.diffusion_app import create_diffusion_app
 
-    gated_engine = GatedEngine(engine)
     port = free_port()
-    app = create_diffusion_app(gated_engine, ServerConfig(port=port, max_queued_requests=1, log_level="warning"))
+    app = create_diffusion_app(engine, ServerConfig(port=port, log_level="warning", **options))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
-        yield gated_engine, base
+        yield f"http://127.0.0.1:{port}"
     finally:
-        gated_engine.gate.set()
         server.should_exit = True
         thread.join(30)
+
+
+@pytest.fixture
+def gated(engine: DiffusionEngine) -> Iterator[tuple[GatedEngine, str]]:
+    gated_engine = GatedEngine(engine)
+    try:
+        with serve_in_thread(gated_engine, max_queued_requests=1) as base:
+            yield gated_engine, base
+    finally:
+        gated_engine.gate.set()
 
 
 def wait_for(predicate: Any, timeout: float = 30.0) -> None:
@@ -414,3 +422,19 @@ def test_serve_flags_for_the_wrong_model_kind() -> None:
     result = CliRunner().invoke(app, ["serve", "--backend", "diffusers", "--max-queued-requests", "3"])
     assert result.exit_code == 2
     assert "--backend, --max-queued-requests only apply to diffusion models" in result.output
+
+
+def test_image_model_serves_images_and_refuses_videos(tmp_path: Path) -> None:
+    from diffusion_test_utils import make_tiny_flux
+
+    flux = make_tiny_flux(tmp_path / "flux")
+    with DiffusionEngine(EngineConfig(model_path=str(flux), dtype="float32", device="cpu")) as eng, \
+            serve_in_thread(eng) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        resp = client.images.generate(prompt="a red circle", size="32x16", extra_body={**FAST, "seed": 1})
+        with one_thread():
+            ref = eng.generate(DiffusionRequest("a red circle", height=16, width=32, num_frames=1, seed=1, **FAST))
+        assert np.array_equal(decode_png(resp.data[0].b64_json or ""), ref.frames[0])
+        with pytest.raises(openai.BadRequestError) as info:
+            client.videos.create(prompt="a red circle", size="32x16")
+        assert "/v1/images/generations" in error_of(info.value)["message"]
