@@ -283,6 +283,7 @@ def test_models_server_info_and_metrics(client: openai.OpenAI, http: httpx.Clien
     assert values['sglx_diffusion_video_jobs_total{status="completed"}'] >= 1
     assert values["sglx_diffusion_step_seconds_count"] >= 2
     assert values['sglx_http_requests_total{method="POST",route="/v1/images/generations",status="200"}'] >= 1
+    assert values['sglx_http_requests_total{method="GET",route="/v1/videos/{video_id}",status="200"}'] >= 1
 
 
 def test_sigterm_while_generating_exits_cleanly(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -52,5 +52,5 @@ def create_app(engine: Engine, config: ServerConfig | None = None, shutdown_engi
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
 
-    install_common(app, state, (path for _, path, _ in ROUTES))
+    install_common(app, state, [path for _, path, _ in ROUTES])
     return app

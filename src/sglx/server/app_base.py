@@ -7,7 +7,8 @@ body limits, request counting, shutdown handling and error bodies behave the sam
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,8 +28,23 @@ from sglx.server.middleware import (
 log = logging.getLogger("sglx.server")
 
 
+def route_labeller(paths: Iterable[str]) -> Callable[[str], str]:
+    """path -> its route for metrics: the path itself, the template it matches ({name} = one segment), or other."""
+    exact = {p for p in paths if "{" not in p}
+    templates = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(p)) + "$"), p)
+                 for p in paths if "{" in p]
+
+    def label(path: str) -> str:
+        if path in exact:
+            return path
+        return next((template for pattern, template in templates if pattern.match(path)), "other")
+
+    return label
+
+
 def install_common(app: FastAPI, state: Any, paths: Iterable[str]) -> None:
-    """Error handlers and middleware over `state` (.config, .metrics, .stopping); `paths` label the metrics."""
+    """Error handlers and middleware over `state` (.config, .metrics, .stopping); `paths` (route templates
+    too) label the request metrics."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -60,9 +76,8 @@ def install_common(app: FastAPI, state: Any, paths: Iterable[str]) -> None:
         log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, f"internal server error: {type(exc).__name__}", code="internal_error")
 
-    known = frozenset(paths)
     config = state.config
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(RequestCountMiddleware, metrics=state.metrics, routes=lambda: known)
+    app.add_middleware(RequestCountMiddleware, metrics=state.metrics, label=route_labeller(paths))
     app.add_middleware(QuietShutdownMiddleware, stopping=lambda: state.stopping)

@@ -53,5 +53,5 @@ def create_diffusion_app(engine: Any, config: ServerConfig | None = None) -> Fas
     app.state.sglx = state
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)
-    install_common(app, state, (path for _, path, _ in ROUTES if "{" not in path))
+    install_common(app, state, [path for _, path, _ in ROUTES])
     return app

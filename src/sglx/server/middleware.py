@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from sglx.server.errors import APIError
-from sglx.server.metrics import ServerMetrics
+from sglx.server.metrics import HttpMetrics
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -101,12 +101,13 @@ class BodyLimitMiddleware:
 
 
 class RequestCountMiddleware:
-    """Counts requests by (method, route, status) for /metrics; unknown paths share one label."""
+    """Counts requests by (method, route, status) for /metrics; `label` maps a path to its route (a template
+    such as /v1/videos/{video_id} for per-object paths) or "other", so labels stay few."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: Callable[[], set[str]]) -> None:
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics, label: Callable[[str], str]) -> None:
         self.app = app
         self.metrics = metrics
-        self.routes = routes
+        self.label = label
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,7 +121,7 @@ class RequestCountMiddleware:
             await send(message)
 
         path = scope.get("path", "")
-        route = path if path in self.routes() else "other"
+        route = self.label(path)
         self.metrics.in_flight += 1
         try:
             await self.app(scope, receive, counting_send)
