@@ -439,3 +439,38 @@ def test_image_model_serves_images_and_refuses_videos(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             client.videos.create(prompt="a red circle", size="32x16")
         assert "/v1/images/generations" in error_of(info.value)["message"]
+
+
+class FailingEngine:
+    """The real engine for validation, but every generation fails as an out-of-memory would."""
+
+    def __init__(self, engine: DiffusionEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, request: DiffusionRequest, progress: Any = None) -> DiffusionResult:
+        from sglx.errors import SglxError
+
+        raise SglxError("out of GPU memory at 1x16x16: lower --height/--width/--num-frames, or free the GPU")
+
+
+def test_failed_generations_are_reported_not_raised(engine: DiffusionEngine) -> None:
+    with serve_in_thread(FailingEngine(engine)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.images.generate(prompt="a red circle", size="16x16")
+        err = error_of(info.value)
+        assert err["code"] == "generation_failed" and "out of GPU memory" in err["message"], err
+        video = client.videos.create(prompt="a red circle", size="16x16", extra_body={"num_frames": 1})
+        done = poll(client, video.id)
+        assert done.status == "failed" and done.error is not None
+        assert done.error.code == "generation_failed" and "out of GPU memory" in done.error.message
+        with pytest.raises(openai.APIStatusError) as info:
+            client.videos.download_content(video.id)
+        assert info.value.status_code == 409 and "failed" in error_of(info.value)["message"]
+        # a urlencoded form works too, and the server keeps serving after failures
+        resp = httpx.post(f"{base}/v1/videos", data={"prompt": "a red circle", "size": "16x16", "num_frames": "1"})
+        assert resp.status_code == 200 and resp.json()["num_frames"] == 1, resp.text
+        assert httpx.get(f"{base}/health").status_code == 200
