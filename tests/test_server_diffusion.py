@@ -201,7 +201,7 @@ def test_video_list_and_delete(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("size", "words"), [("30x32", "multiple of 8"), ("big", "WIDTHxHEIGHT"),
-                                             ("32x0", "positive")])
+                                             ("32x0", "positive"), ("99992x99992", "at most 4096")])
 def test_bad_image_size(client: openai.OpenAI, size: str, words: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.images.generate(prompt="a red circle", size=size, extra_body=FAST)  # type: ignore[arg-type]
@@ -238,6 +238,10 @@ def test_bad_video_input(client: openai.OpenAI, http: httpx.Client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.videos.create(prompt="a red circle", size="16x16", seconds="soon")  # type: ignore[arg-type]
     assert error_of(info.value)["param"] == "seconds"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.create(prompt="a red circle", size="16x16", seconds="3600")  # type: ignore[arg-type]
+    err = error_of(info.value)
+    assert err["param"] == "seconds" and "at most 1025 frames" in err["message"], err
     resp = http.post("/v1/videos", files={"input_reference": ("ref.png", b"\x89PNG", "image/png")},
                      data={"prompt": "a red circle"})
     assert resp.status_code == 400 and "image-to-video" in resp.json()["error"]["message"], resp.text

@@ -16,6 +16,8 @@ from sglx.server.protocol import Strict
 MAX_IMAGES = 10  # OpenAI's n limit for images; each is a full generation
 SEED_MAX = 2**63 - 1 - MAX_IMAGES  # seeds seed..seed+n-1 must all be valid torch seeds
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_SIDE = 4096  # pixels: a typo such as 99992x99992 must not take the server's memory
+MAX_FRAMES = 1025  # about a minute at 16 fps; Wan takes 4k+1
 
 
 def parse_size(size: str | None) -> tuple[int, int] | None:
@@ -28,6 +30,8 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     width, height = int(match.group(1)), int(match.group(2))
     if width < 1 or height < 1:
         raise ValueError("width and height must be positive")
+    if width > MAX_SIDE or height > MAX_SIDE:
+        raise ValueError(f"width and height must be at most {MAX_SIDE} pixels")
     return width, height
 
 
@@ -76,7 +80,7 @@ class VideoCreateRequest(DiffusionFields):
     """POST /v1/videos (JSON, or multipart form as OpenAI's client sends it)."""
 
     seconds: str | int | float | None = None
-    num_frames: int | None = Field(None, ge=1, le=10_000)  # extension: wins over seconds
+    num_frames: int | None = Field(None, ge=1, le=MAX_FRAMES)  # extension: wins over seconds
     fps: int | None = Field(None, ge=1, le=240)  # extension
     input_reference: Any = None
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from sglx.diffusion.request import DiffusionRequest, ResolvedRequest
 from sglx.errors import SglxError
-from sglx.server.diffusion_protocol import DiffusionFields, VideoCreateRequest
+from sglx.server.diffusion_protocol import MAX_FRAMES, DiffusionFields, VideoCreateRequest
 from sglx.server.errors import APIError
 
 # CLI flag names in the engine's messages -> the API's parameter names.
@@ -63,6 +63,9 @@ def video_request(engine: Any, body: VideoCreateRequest) -> DiffusionRequest:
         return base
     fps = body.fps or engine.defaults.fps
     target = max(1, round(float(body.seconds) * fps))
+    if target > MAX_FRAMES:
+        raise APIError(400, f"seconds {body.seconds:g} at {fps} fps is {target} frames; at most {MAX_FRAMES} frames "
+                            "per video", "seconds", "invalid_value")
     for delta in range(MAX_FRAME_SEARCH):
         for frames in (target + delta, target - delta):
             if frames >= 1 and _takes(engine, replace(base, num_frames=frames)):
