@@ -478,3 +478,21 @@ def test_failed_generations_are_reported_not_raised(engine: DiffusionEngine) -> 
         resp = httpx.post(f"{base}/v1/videos", data={"prompt": "a red circle", "size": "16x16", "num_frames": "1"})
         assert resp.status_code == 200 and resp.json()["num_frames"] == 1, resp.text
         assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_serve_hands_diffusion_models_to_the_diffusion_server(wan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import sglx.server.runner as runner
+    from sglx.cli.app import app
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(runner, "run_diffusion_server", lambda *args: calls.append(args) or 0)
+    result = CliRunner().invoke(app, ["serve", "--model-path", str(wan), "--backend", "diffusers",
+                                      "--max-queued-requests", "0", "--attention-backend", "native"])
+    assert result.exit_code == 0, result.output
+    ((engine_config, config, backend),) = calls
+    assert backend == "diffusers" and config.max_queued_requests == 0
+    assert engine_config.model_path == str(wan) and engine_config.attention_backend == "native"
+    result = CliRunner().invoke(app, ["serve", "--model-path", str(wan), "--max-queued-requests", "-1"])
+    assert result.exit_code == 2 and "--max-queued-requests -1: must be >= 0" in result.output
