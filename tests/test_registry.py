@@ -31,7 +31,7 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa"),
-               ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn")}
+               ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn")}
 
 SNAPSHOTS = {
     "h100": fake("cuda", gpu="NVIDIA H100", capability=(9, 0), cuda="12.4"),
@@ -264,7 +264,7 @@ def test_feature_reasons(kind: str, name: str, req: AttentionRequest, needle: st
 DIFFUSION_PLATFORMS = {
     "fa": ("cuda", "rocm"),
     "torch_sdpa": ("cuda", "rocm", "mps", "npu"),
-    "sliding_tile_attn": ("cuda",), "sage_attn": ("cuda",), "sage_attn_3": ("cuda",),
+    "sliding_tile_attn": ("cuda", "mps", "npu"), "sage_attn": ("cuda",), "sage_attn_3": ("cuda",),
     "video_sparse_attn": ("cuda",), "vmoba_attn": ("cuda",), "sparse_video_gen_2_attn": ("cuda",),
     "aiter": ("rocm",),
 }

@@ -52,9 +52,20 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="sliding_tile_attn", family="diffusion", kind="dit", title="Sliding Tile Attention (STA)",
-    summary="3D sliding-tile sparse attention over the video latent grid.",
-    requires=(CUDA, Package(("st_attn",))),
-    features=DiffusionFeatures(sparse=True, needs_grid=True, notes="CUDA-only. Requires st_attn."),
+    summary="3D sliding-tile sparse attention over the video latent grid (sglx's block-sparse kernel).",
+    requires=(
+        OnPlatform(("cuda", "mps", "npu", "xpu", "cpu")),  # ROCm torch calls devices "cuda": kernel untested there
+        OnlyOn(("cuda",), Package(("triton",))),
+        OnlyOn(("cuda",), Dtypes(("float16", "bfloat16"))),
+        OnlyOn(("cuda",), HeadDims(allowed=(64, 128))),
+    ),
+    features=DiffusionFeatures(
+        sparse=True, needs_grid=True,
+        notes="sglx's Triton block-sparse kernel on CUDA (fp16/bf16, head dim 64/128); elsewhere the plain-PyTorch "
+              "masked reference (same output, dense cost). Any (T, H, W) grid: 6x8x8-token tiles, edge tiles "
+              "padded (padding never attended). Windows per step/layer/head from a FastVideo mask strategy JSON "
+              "(sliding_tile.write_uniform_strategy writes one); only sta_mode STA_inference."),
+    factory="sglx.attention.diffusion.sparse.sliding_tile:SlidingTileAttentionBackend",
     config=(
         ConfigParam("mask_strategy_file_path", "str", "Path to the mask strategy JSON file.", required=True),
         ConfigParam("sta_mode", "str", "Mode of STA.", default="STA_inference"),

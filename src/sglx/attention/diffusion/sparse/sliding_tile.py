@@ -1,0 +1,171 @@
+"""sliding_tile_attn: Sliding Tile Attention (STA) over the video latent grid, on sglx's block-sparse kernel.
+
+The latent grid is cut into tiles (6x8x8 tokens, FastVideo's tile for Wan/Hunyuan-shaped latents); a query
+tile attends the wt x wh x ww key tiles around it, the window sliding inside the grid (its centre clamped
+half a window from the edges, as in FastVideo's STA). Windows come per (step, layer, head) from a mask
+strategy file in FastVideo's JSON format. Tokens are moved into tile order (each tile padded to whole kernel
+blocks, padding never attended), attended block-sparsely, and moved back. Joint text tokens attend and are
+attended by everything. The first `skip_time_steps` steps, cross-attention and calls outside a pipeline step
+run dense. On CUDA the Triton block-sparse kernel runs (fp16/bf16, head dim 64 or 128); elsewhere the
+plain-PyTorch masked reference, which gives the same output slowly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
+from sglx.attention.diffusion.sparse.reference import masked_attention
+from sglx.attention.diffusion.sparse.sta_strategy import (
+    MaskStrategy,
+    Window,
+    load_strategy,
+    uniform_strategy,
+    write_uniform_strategy,
+)
+from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_order
+from sglx.errors import ConfigError, SglxError
+
+__all__ = ["SlidingTileAttentionBackend", "sta_layout", "sta_tile_mask", "uniform_strategy", "write_uniform_strategy"]
+
+DEFAULT_TILE: Grid = (6, 8, 8)
+MODES = ("STA_inference",)
+
+
+def sta_tile_mask(tiles: Grid, windows: tuple[Window, ...]) -> torch.Tensor:
+    """bool [heads, num_tiles, num_tiles]: query tile i attends key tile j under each head's window."""
+    coords = tile_coords_for(tiles)  # [N, 3]
+    win = torch.tensor(windows, dtype=torch.int64)  # [H, 3]
+    half = win // 2
+    n = torch.tensor(tiles, dtype=torch.int64)
+    lo, hi = half, n - 1 - half
+    centre = torch.minimum(torch.maximum(coords[None], lo[:, None]), hi[:, None])  # [H, N, 3] (torch.clamp order)
+    near = (centre[:, :, None, :] - coords[None, None, :, :]).abs() <= half[:, None, None, :]
+    return near.all(-1)
+
+
+def tile_coords_for(tiles: Grid) -> torch.Tensor:
+    nt, nh, nw = tiles
+    ids = torch.arange(nt * nh * nw)
+    return torch.stack([ids // (nh * nw), ids // nw % nh, ids % nw], 1)
+
+
+def check_windows(windows: tuple[Window, ...], tiles: Grid, grid: Grid, where: str) -> None:
+    for head, window in enumerate(windows):
+        if any(w > n for w, n in zip(window, tiles)):
+            raise ConfigError(f"STA window {list(window)} of {where} head {head} is larger than the grid: {grid} "
+                              f"tokens are {list(tiles)} tiles; use windows of at most {list(tiles)}",
+                              "mask_strategy_file_path")
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(order: TileOrder, windows: tuple[Window, ...], device: str) -> BlockSparseLayout:
+    return sta_layout(order, windows, torch.device(device))
+
+
+def sta_layout(order: TileOrder, windows: tuple[Window, ...], device: torch.device | str = "cpu"
+               ) -> BlockSparseLayout:
+    """The block-sparse layout of STA over a tile-ordered sequence: one row list per head (one shared row
+    set when every head has the same window); text blocks attend and are attended by every block."""
+    uniq = windows if len(set(windows)) > 1 else windows[:1]
+    tile_mask = sta_tile_mask(order.tiles_per_dim, uniq)  # [H|1, N, N]
+    bt = order.block_tile
+    text = bt < 0
+    safe = bt.clamp(min=0)
+    blocks = tile_mask[:, safe][:, :, safe]  # [H|1, nb, nb]
+    blocks = blocks | text[None, None, :] | text[None, :, None]
+    layout = BlockSparseLayout.from_block_mask(blocks[None].to(device), order.block, order.block, order.slots,
+                                               None if order.k_lengths is None else order.k_lengths.to(device))
+    return layout
+
+
+class SlidingTileAttentionBackend(DiffusionAttentionBackend):
+    """STA with windows from a FastVideo mask strategy file; `tile` and `block` are fixed per instance."""
+
+    name = "sliding_tile_attn"
+    sparse = True
+    default_tile: ClassVar[Grid] = DEFAULT_TILE  # FastVideo's; mask strategy windows count these tiles
+
+    def __init__(self, config: Mapping[str, Any] | None = None, *, tile: Grid | None = None,
+                 block: int | None = None) -> None:
+        super().__init__(config)
+        path = self.config.get("mask_strategy_file_path")
+        if not path:
+            raise ConfigError("sliding_tile_attn needs mask_strategy_file_path (a FastVideo STA mask strategy "
+                              "JSON); write one with sglx.attention.diffusion.sparse.sliding_tile."
+                              "write_uniform_strategy(path, num_layers, num_heads, (3, 3, 3))",
+                              "mask_strategy_file_path")
+        mode = self.config.get("sta_mode", "STA_inference")
+        if mode not in MODES:
+            raise ConfigError(f"sliding_tile_attn sta_mode {mode!r} is not supported; sglx runs {MODES[0]!r} "
+                              "(mask search modes STA_searching/STA_tuning are not implemented)", "sta_mode")
+        self.skip_time_steps = int(self.config.get("skip_time_steps", 15))
+        if self.skip_time_steps < 0:
+            raise ConfigError(f"skip_time_steps must be >= 0; got {self.skip_time_steps}", "skip_time_steps")
+        self.strategy: MaskStrategy = load_strategy(path)
+        self.tile = tile or self.default_tile
+        self.block = block
+
+    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      scale: float | None = None) -> torch.Tensor:
+        check_qkv(q, k, v)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                meta: DiTAttnMetadata | None = None, layer: int = 0) -> torch.Tensor:
+        if meta is None or meta.step_index < self.skip_time_steps:
+            return self.forward_dense(q, k, v, scale=scale)
+        check_qkv(q, k, v)
+        if q.shape[1] != meta.seq_len or k.shape[1] != meta.seq_len:
+            raise SglxError(f"sliding_tile_attn: sequence of {q.shape[1]} tokens, but the step's grid {meta.grid} "
+                            f"and {meta.text_tokens} text tokens make {meta.seq_len}")
+        windows = self.strategy.layer_windows(meta.step_index, layer, q.shape[2])
+        return self.attend(q, k, v, meta, windows, scale=scale, where=f"layer {layer}")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
+               windows: tuple[Window, ...], *, scale: float | None = None, where: str = "") -> torch.Tensor:
+        """STA with the given per-head windows (the step/layer lookup done): tile order, kernel, input order."""
+        order = tile_order(meta.grid, self.tile, meta.text_tokens, meta.text_position != "suffix",
+                           self.block or _default_block(q))
+        check_windows(windows, order.tiles_per_dim, meta.grid, where)
+        layout = _cached_layout(order, windows, str(q.device))
+        if not order.identity:
+            gather = _on(order.gather, q.device)
+            q, k, v = (t.index_select(1, gather) for t in (q, k, v))
+        out = run_block_sparse(q, k, v, layout, scale)
+        if not order.identity:
+            out = out.index_select(1, _on(order.scatter, q.device))
+        return out
+
+
+def _default_block(q: torch.Tensor) -> int:
+    """Kernel-sized blocks on CUDA; small ones elsewhere, so tiny grids keep real sparsity on the reference."""
+    return 128 if q.device.type == "cuda" else 16
+
+
+@functools.lru_cache(maxsize=64)
+def _device_copy(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    return tensor.to(device)  # keyed by the (cached) TileOrder's tensor object
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else _device_copy(tensor, str(device))
+
+
+def run_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
+                     scale: float | None) -> torch.Tensor:
+    """The Triton kernel on CUDA (it raises a clear error for inputs it lacks); the masked reference elsewhere."""
+    if q.device.type == "cuda":
+        from sglx.attention.kernels.block_sparse_attention import block_sparse_attention
+
+        return block_sparse_attention(q, k, v, layout, scale)
+    return masked_attention(q, k, v, layout, scale)
