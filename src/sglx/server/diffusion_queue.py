@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 from sglx.server.config import DEFAULT_MAX_QUEUED_REQUESTS
 from sglx.server.errors import APIError
 
+log = logging.getLogger("sglx.server")
 StepFn = Callable[[int, int], None]  # (steps done, total steps)
 
 
@@ -116,6 +118,8 @@ class GenerationQueue:
             job = self.waiting.popleft()
             self.running = job
             job.started = time.monotonic()
+            log.debug("%s job %d started after %.3f s in the queue (%d waiting)", job.kind, job.number,
+                      job.started - job.submitted, len(self.waiting))
             try:
                 result = await asyncio.to_thread(job.work, job.step)
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the job
