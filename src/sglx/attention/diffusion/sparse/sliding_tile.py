@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
-from sglx.attention.diffusion.sparse.reference import masked_attention
+from sglx.attention.diffusion.sparse.routes import pick_route, run_block_sparse
 from sglx.attention.diffusion.sparse.sta_strategy import (
     MaskStrategy,
     Window,
@@ -112,6 +112,8 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         self.strategy: MaskStrategy = load_strategy(path)
         self.tile = tile or self.default_tile
         self.block = block
+        self.route: str | None = None  # the kernel the last sparse call ran (routes.pick_route), and why
+        self.route_why = ""
 
     def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       scale: float | None = None) -> torch.Tensor:
@@ -141,7 +143,9 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if not order.identity:
             gather = _on(order.gather, q.device)
             q, k, v = (t.index_select(1, gather) for t in (q, k, v))
-        out = run_block_sparse(q, k, v, layout, scale)
+        route, self.route_why = pick_route(q, layout)
+        self.route = route
+        out = run_block_sparse(q, k, v, layout, scale, route)
         if not order.identity:
             out = out.index_select(1, _on(order.scatter, q.device))
         return out
@@ -159,13 +163,3 @@ def _device_copy(tensor: torch.Tensor, device: str) -> torch.Tensor:
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else _device_copy(tensor, str(device))
-
-
-def run_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
-                     scale: float | None) -> torch.Tensor:
-    """The Triton kernel on CUDA (it raises a clear error for inputs it lacks); the masked reference elsewhere."""
-    if q.device.type == "cuda":
-        from sglx.attention.kernels.block_sparse_attention import block_sparse_attention
-
-        return block_sparse_attention(q, k, v, layout, scale)
-    return masked_attention(q, k, v, layout, scale)
