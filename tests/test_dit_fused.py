@@ -1,4 +1,4 @@
-"""The fused DiT q/k prologue (RMSNorm + rotary): interpreted Triton cases, and the torch path elsewhere."""
+"""The fused DiT kernels (q/k prologue, norm + modulation, gated residual): interpreted Triton cases, torch path."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from sglx.diffusion.dit_attention import apply_interleaved_rotary
-from sglx.diffusion.qk_norm_rope import fused_prologue, norm_rope
+from sglx.diffusion.fused import fused_kernels
+from sglx.diffusion.qk_norm_rope import norm_rope
 from triton_interpreted.launch import run_interpreted
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernel_matches_torch_under_the_interpreter() -> None:
-    run_interpreted("dit_prologue_cases.py")
+    run_interpreted("dit_fused_cases.py")
 
 
 def test_cpu_takes_the_torch_path_with_diffusers_arithmetic() -> None:
@@ -22,7 +23,7 @@ def test_cpu_takes_the_torch_path_with_diffusers_arithmetic() -> None:
     x = torch.randn(1, 6, 4 * 8)
     norm = torch.nn.RMSNorm(32, eps=1e-6)
     cos, sin = torch.rand(1, 6, 1, 8), torch.rand(1, 6, 1, 8)
-    with fused_prologue(True):
+    with fused_kernels(True):
         got = norm_rope(x, norm, 4, (cos, sin))
     q = norm(x).unflatten(2, (4, -1))
     x0, x1 = q[..., 0::2], q[..., 1::2]

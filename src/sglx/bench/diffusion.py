@@ -99,10 +99,11 @@ class DiffusionAttentionBenchConfig:
 
 
 def resolve_backends(names: tuple[str, ...], snap: Any, dtype: str) -> list[str]:
-    """Explicit names must exist, be implemented and run here; empty: every usable implemented backend."""
+    """Explicit names must exist, be implemented and run here; empty: every usable implemented dense backend."""
     req = AttentionRequest(family="diffusion", kind="dit", dtype=dtype, head_dim=128)
-    if not names:
-        return [s.name for s in all_backends("diffusion", "dit") if s.implemented and availability(s, snap, req).ok]
+    if not names:  # dense ones: a sparse backend needs its config and is benchmarked against its own pattern
+        return [s.name for s in all_backends("diffusion", "dit")
+                if s.implemented and not s.features.sparse and availability(s, snap, req).ok]
     out = []
     for name in names:
         spec = find(name, "diffusion", "dit")

@@ -19,7 +19,7 @@ import torch
 
 from sglx.attention.diffusion.metadata import DiTAttnMetadata, dit_step
 from sglx.bench.timing import TimingBudget, median_ms
-from sglx.diffusion.qk_norm_rope import fused_prologue
+from sglx.diffusion.fused import fused_kernels
 from sglx.errors import SglxError
 
 # diffusers attention backends tried for the baseline, in no particular order: the fastest one wins.
@@ -75,7 +75,7 @@ def _build(config: StepConfig, device: torch.device, dtype: torch.dtype) -> tupl
     torch.manual_seed(config.seed)
     with torch.device(device):
         model = WanTransformer3DModel(**config.model_config())
-    model = model.to(dtype).eval()
+    model = _cast_like_from_pretrained(model.eval(), dtype)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     cfg = model.config
     inputs = {
@@ -85,6 +85,23 @@ def _build(config: StepConfig, device: torch.device, dtype: torch.dtype) -> tupl
                                              generator=gen),
     }
     return model, inputs
+
+
+def _cast_like_from_pretrained(model: Any, dtype: torch.dtype) -> Any:
+    """`dtype` everywhere except the modules diffusers keeps in float32 when loading (rope tables, time
+    embedder, norms, scale_shift_table), as `from_pretrained(torch_dtype=...)` leaves a real checkpoint."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+    def target(name: str) -> torch.dtype:
+        return torch.float32 if any(k in name.split(".") for k in keep) else dtype
+
+    for name, param in model.named_parameters():
+        param.data = param.data.to(target(name))
+    for mod_name, module in model.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point():  # rope tables: float64 -> float32, never via bf16
+                module._buffers[name] = buf.to(target(f"{mod_name}.{name}" if mod_name else name))
+    return model
 
 
 def _metadata(model: Any, latent: tuple[int, ...]) -> DiTAttnMetadata:
@@ -161,7 +178,7 @@ def run_step(config: StepConfig, device: torch.device, snap: Any,
     with torch.inference_mode():
         for fused in (True, False):  # the fused q/k prologue, then diffusers' torch arithmetic (A/B)
             say(f"step: sglx forward, backend {selection.backend}, fused prologue {fused}")
-            with fused_prologue(fused):
+            with fused_kernels(fused):
                 got = sglx_forward()
                 row = {"side": "sglx", "attention": selection.backend, "variant": variant, "fused_prologue": fused,
                        **_time(sglx_forward, device, budget), "rel_l2_vs_baseline": _rel_err(got, reference)}

@@ -5,37 +5,20 @@ rotary tables are float32): on Wan2.1-1.3B at 81x480x832 that moves about 1.5 GB
 The Triton kernel here reads each token's row once (any row stride, so the chunks of a fused QKV
 projection need no copy) and writes the result once, with diffusers' arithmetic and rounding points:
 normalise in float32, round to the input dtype, times the weight (rounded), rotate in float32, round.
-CPU tensors, other dtypes or head dims, and SGLX_DIT_FUSED=0 take the plain torch path.
+CPU tensors, other dtypes or head dims, and SGLX_DIT_FUSED=0 (fused.py) take the plain torch path.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-
 import torch
 
 from sglx.diffusion.dit_attention import apply_interleaved_rotary
-
-ENV_SWITCH = "SGLX_DIT_FUSED"
-_ENABLED = [os.environ.get(ENV_SWITCH, "1") != "0"]
-
-
-@contextlib.contextmanager
-def fused_prologue(enabled: bool) -> Iterator[None]:
-    """Turn the fused kernel on or off inside a block (benchmarks A/B it in one run)."""
-    previous = _ENABLED[0]
-    _ENABLED[0] = enabled
-    try:
-        yield
-    finally:
-        _ENABLED[0] = previous
+from sglx.diffusion.fused import use_fused
 
 
 def _kernel_ok(x: torch.Tensor, norm: torch.nn.Module, heads: int,
                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-    if not (_ENABLED[0] and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1):
+    if not use_fused(x):
         return False
     if not isinstance(norm, torch.nn.RMSNorm) or norm.weight is None or norm.weight.dtype != x.dtype:
         return False
@@ -46,10 +29,6 @@ def _kernel_ok(x: torch.Tensor, norm: torch.nn.Module, heads: int,
         cos, sin = rotary
         if cos.dtype != torch.float32 or cos.shape[-1] != dim or cos.numel() != x.shape[1] * dim:
             return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
     return True
 
 

@@ -7,6 +7,7 @@ no copies or transposes before the kernel. The arithmetic is diffusers' (see tes
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from sglx.attention.diffusion.base import DiffusionAttentionBackend
 from sglx.diffusion.dit_attention import DiTAttention
+from sglx.diffusion.modulation import gate_residual, ln_modulate
 from sglx.diffusion.qk_norm_rope import norm_rope
 
 
@@ -74,12 +76,35 @@ def fuse_qkv(attn: Any) -> None:
             _share(lin, attn.to_kv, i * lin.out_features)
 
 
+def wan_block_forward(block: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      temb: torch.Tensor, rotary_emb: Any) -> torch.Tensor:
+    """diffusers' WanTransformerBlock.forward with its element-wise parts fused (modulation.py).
+
+    Wan2.2 TI2V's per-token modulation (temb [B, S, 6, dim]) keeps diffusers' own forward.
+    """
+    if temb.ndim == 4:
+        return type(block).forward(block, hidden_states, encoder_hidden_states, temb, rotary_emb)
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+        block.scale_shift_table + temb.float()).chunk(6, dim=1)
+    norm = ln_modulate(hidden_states, block.norm1, scale_msa, shift_msa)
+    hidden_states = gate_residual(hidden_states, block.attn1(norm, None, None, rotary_emb), gate_msa)
+    norm = ln_modulate(hidden_states, block.norm2)
+    hidden_states = hidden_states + block.attn2(norm, encoder_hidden_states, None, None)
+    norm = ln_modulate(hidden_states, block.norm3, c_scale_msa, c_shift_msa)
+    return gate_residual(hidden_states, block.ffn(norm), c_gate_msa)
+
+
 def install(transformer: Any, backend: DiffusionAttentionBackend, fuse: bool = True) -> int:
-    """Put sglx's processor on every attention of a WanTransformer3DModel; returns the number of blocks."""
+    """Put sglx's processor on every attention of a WanTransformer3DModel; returns the number of blocks.
+
+    With `fuse`: one QKV projection per self-attention and the blocks' element-wise parts fused.
+    """
     for index, block in enumerate(transformer.blocks):
         attention = DiTAttention(backend, index)
         for attn in (block.attn1, block.attn2):
             if fuse:
                 fuse_qkv(attn)
             attn.set_processor(WanAttnProcessor(attention))
+        if fuse and isinstance(block.norm2, nn.LayerNorm | nn.Identity):
+            block.forward = types.MethodType(wan_block_forward, block)
     return len(transformer.blocks)
