@@ -23,7 +23,7 @@ for m in ("flash_attn.cute", "sageattention", "diffusers"):
         print(m, "FAILED", type(e).__name__, str(e)[:300])
 PY
 timeout 240 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_diffusion_check_$TAG.txt" 2>&1
-timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_diffusion_backends_gpu.py \
+timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_diffusion_backends_gpu.py tests/gpu/test_dit_fused_gpu.py \
   > "$OUT/gpu_tests_diffusion_$TAG.txt" 2>&1
 timeout ${BENCH_TIMEOUT:-420} python3 -m sglx bench diffusion ${BENCH_ARGS:-} --output "$OUT/bench_diffusion_$TAG.json" \
   > "$OUT/bench_diffusion_$TAG.txt" 2> "$OUT/bench_diffusion_stderr_$TAG.txt"
