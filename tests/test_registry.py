@@ -31,7 +31,9 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa"),
-               ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn")}
+               ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
+               ("diffusion", "dit", "video_sparse_attn"), ("diffusion", "dit", "vmoba_attn"),
+               ("diffusion", "dit", "sparse_video_gen_2_attn")}
 
 SNAPSHOTS = {
     "h100": fake("cuda", gpu="NVIDIA H100", capability=(9, 0), cuda="12.4"),
@@ -265,7 +267,8 @@ DIFFUSION_PLATFORMS = {
     "fa": ("cuda", "rocm"),
     "torch_sdpa": ("cuda", "rocm", "mps", "npu"),
     "sliding_tile_attn": ("cuda", "mps", "npu"), "sage_attn": ("cuda",), "sage_attn_3": ("cuda",),
-    "video_sparse_attn": ("cuda",), "vmoba_attn": ("cuda",), "sparse_video_gen_2_attn": ("cuda",),
+    "video_sparse_attn": ("cuda", "mps", "npu"), "vmoba_attn": ("cuda", "mps", "npu"),
+    "sparse_video_gen_2_attn": ("cuda", "mps", "npu"),
     "aiter": ("rocm",),
 }
 
@@ -289,6 +292,14 @@ CONFIG = {
         "moba_threshold_type": ("str", "query_head", False), "first_full_step": ("int", 12, False),
         "first_full_layer": ("int", 0, False), "temporal_layer": ("int", 1, False),
         "spatial_layer": ("int", 1, False), "st_layer": ("int", 1, False),
+    },
+    # Not in the seed's table: Sparse-VideoGen's own parameters, defaults from its Wan scripts (wan_t2v_720p_sap.sh)
+    "sparse_video_gen_2_attn": {
+        "num_q_centroids": ("int", 300, False), "num_k_centroids": ("int", 1000, False),
+        "top_p_kmeans": ("float", 0.9, False), "min_kc_ratio": ("float", 0.10, False),
+        "kmeans_iter_init": ("int", 50, False), "kmeans_iter_step": ("int", 2, False),
+        "first_times_fp": ("float", 0.2, False), "first_layers_fp": ("float", 0.03, False),
+        "zero_step_kmeans_init": ("bool", False, False),
     },
 }
 

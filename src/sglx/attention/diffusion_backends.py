@@ -17,6 +17,14 @@ from sglx.attention.requirements import (
 
 CUDA = OnPlatform(("cuda",))
 
+# sglx's sparse backends: the Triton block-sparse kernel on CUDA, the plain-PyTorch masked reference elsewhere.
+SPARSE_KERNEL = (
+    OnPlatform(("cuda", "mps", "npu", "xpu", "cpu")),  # ROCm torch calls devices "cuda": kernel untested there
+    OnlyOn(("cuda",), Package(("triton",))),
+    OnlyOn(("cuda",), Dtypes(("float16", "bfloat16"))),
+    OnlyOn(("cuda",), HeadDims(allowed=(64, 128))),
+)
+
 # FlashAttention's kernels, best first: FA3 (Hopper's own kernel), FA4 (CuTe DSL: Hopper and Blackwell), FA2.
 FA_VARIANTS = AnyVariant("FlashAttention", (
     Variant("FA3", "flash_attn_interface",
@@ -96,17 +104,33 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="video_sparse_attn", family="diffusion", kind="dit", title="Video Sparse Attention (VSA)",
-    summary="Trainable block-sparse video attention (coarse + fine stages).",
-    requires=(CUDA, Package(("vsa",))),
-    features=DiffusionFeatures(sparse=True, needs_grid=True, notes="CUDA-only. Requires vsa."),
+    summary="Video sparse attention (FastVideo's VSA): top-k 4x4x4-token cubes by mean-pooled scores, "
+            "block-sparse over the chosen cubes (sglx's block-sparse kernel).",
+    requires=SPARSE_KERNEL,
+    features=DiffusionFeatures(
+        sparse=True, needs_grid=True,
+        notes="sglx's own VSA, no vsa package needed: the Triton block-sparse kernel on CUDA (fp16/bf16, head dim "
+              "64/128), the plain-PyTorch masked reference elsewhere. Any grid (edge cubes padded, padding never "
+              "attended or pooled). Each query cube keeps ceil((1 - sparsity) x cubes) key cubes (at least 1); "
+              "sparsity 0.0 is dense. Output is the fine branch: the coarse branch is gated by a learned "
+              "to_gate_compress that stock checkpoints lack (FastVideo zero-initialises it)."),
+    factory="sglx.attention.diffusion.sparse.video_sparse:VideoSparseAttentionBackend",
     config=(ConfigParam("sparsity", "float", "Validation sparsity (0.0 - 1.0).", default=0.0),),
 ))
 
 register(BackendSpec(
     name="vmoba_attn", family="diffusion", kind="dit", title="VMoBA",
-    summary="Mixture-of-block attention for video diffusion (temporal, spatial, spatiotemporal layers).",
-    requires=(CUDA, Package(("kernel.attn.vmoba_attn.vmoba",))),
-    features=DiffusionFeatures(sparse=True, needs_grid=True, notes="CUDA-only."),
+    summary="Mixture-of-block attention for video diffusion (temporal, spatial, spatiotemporal layers) on "
+            "sglx's block-sparse kernel.",
+    requires=SPARSE_KERNEL,
+    features=DiffusionFeatures(
+        sparse=True, needs_grid=True,
+        notes="sglx's own VMoBA, no upstream package needed: Triton block-sparse kernel on CUDA (fp16/bf16, head "
+              "dim 64/128), masked reference elsewhere. Chunks are chosen per (head, query block) from the block's "
+              "mean query; moba_select_mode threshold or topk, moba_threshold_type query_head only. Unset chunk "
+              "sizes/top-k take FastVideo's Wan2.1-1.3B values (temporal 2 / top 3, spatial [3,4] / top 20, "
+              "st [4,6,4] / top 15) cut to the grid; any grid (edge chunks padded)."),
+    factory="sglx.attention.diffusion.sparse.vmoba:VMoBABackend",
     config=(
         ConfigParam("temporal_chunk_size", "int", "Chunk size for temporal dimension."),
         ConfigParam("temporal_topk", "int", "Top-K tokens to select in temporal dimension."),
@@ -135,7 +159,32 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="sparse_video_gen_2_attn", family="diffusion", kind="dit", title="Sparse VideoGen 2",
-    summary="Semantic-aware permutation sparse attention from Sparse-VideoGen.",
-    requires=(CUDA, Package(("svg",))),
-    features=DiffusionFeatures(sparse=True, needs_grid=True, notes="CUDA-only. Requires svg."),
+    summary="Semantic-aware permutation sparse attention from Sparse-VideoGen 2 (k-means of q and k, top-p "
+            "cluster selection) on sglx's block-sparse kernel.",
+    requires=SPARSE_KERNEL,
+    features=DiffusionFeatures(
+        sparse=True, needs_grid=True,
+        notes="sglx's own SVG2, no svg package needed: Triton block-sparse kernel on CUDA (fp16/bf16, head dim "
+              "64/128), masked reference elsewhere. Clusters are variable-sized, the layout block-level (64 tokens "
+              "on CUDA, 16 elsewhere): a block pair is attended when any of its cluster pairs is, so density is at "
+              "least SVG2's. Centroid counts are capped at the latent token count; warm-started per layer within "
+              "a generation. Defaults: Sparse-VideoGen's Wan scripts."),
+    factory="sglx.attention.diffusion.sparse.svg2:SparseVideoGen2Backend",
+    config=(
+        ConfigParam("num_q_centroids", "int", "Number of query clusters (k-means centroids) per head.",
+                    default=300),
+        ConfigParam("num_k_centroids", "int", "Number of key clusters (k-means centroids) per head.", default=1000),
+        ConfigParam("top_p_kmeans", "float",
+                    "Top-p: probability mass of key clusters each query cluster keeps (0 - 1].", default=0.9),
+        ConfigParam("min_kc_ratio", "float", "At least this fraction of key clusters kept per query cluster.",
+                    default=0.10),
+        ConfigParam("kmeans_iter_init", "int", "K-means iterations the first time a layer clusters.", default=50),
+        ConfigParam("kmeans_iter_step", "int", "K-means iterations on later steps (warm-started).", default=2),
+        ConfigParam("first_times_fp", "float", "Fraction of the first steps that use full attention.",
+                    default=0.2),
+        ConfigParam("first_layers_fp", "float", "Fraction of the first layers that use full attention.",
+                    default=0.03),
+        ConfigParam("zero_step_kmeans_init", "bool",
+                    "Also run k-means during the full-attention steps (warm centroids).", default=False),
+    ),
 ))

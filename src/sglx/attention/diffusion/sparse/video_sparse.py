@@ -1,0 +1,164 @@
+"""video_sparse_attn: Video Sparse Attention (VSA, FastVideo) on sglx's block-sparse kernel, any (T, H, W) grid.
+
+The latent grid is cut into 4x4x4 cubes (edge cubes of a grid that does not divide by 4 are smaller); tokens
+move into cube order, each cube padded to one 64-token block (padding never attended, never pooled).
+Coarse stage: queries and keys are mean-pooled per cube (real tokens only), cube-to-cube scores
+`q_c . k_c * scale` pick, for every (batch row, head, query cube), the top-k key cubes, k = ceil((1 - sparsity)
+* cubes) clamped to [1, cubes] (FastVideo's `compute_topk`). Fine stage: block-sparse attention of every query
+cube over its selected cubes (one block = one cube). Joint text tokens sit in blocks of their own that attend
+and are attended by every block.
+
+Combination, as FastVideo's `video_sparse_attn`: `out = out_fine + gate_compress * out_coarse`, where
+`out_coarse` is dense attention over the pooled cubes broadcast to each cube's tokens and `gate_compress` is
+a learned per-token projection (`to_gate_compress`) that only VSA-trained checkpoints carry. FastVideo's
+loader zero-initialises a missing gate, so on a stock checkpoint (every model sglx runs today) the coarse
+branch adds nothing and the output is the fine branch alone; `video_sparse_attention(..., gate_compress=g)`
+computes the gated sum for a caller that has a gate. Hence sparsity 0.0 is exactly dense attention.
+
+Calls without step metadata (plain module calls, `sglx doctor --check`) and cross-attention run dense.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
+from sglx.attention.diffusion.sparse.routes import run_block_sparse
+from sglx.attention.diffusion.sparse.tile_order import TileOrder, tile_order
+from sglx.attention.diffusion.sparse.tiled import block_means, from_order, on_device, to_order
+from sglx.errors import ConfigError, SglxError
+
+NAME = "video_sparse_attn"
+CUBE = (4, 4, 4)
+CUBE_TOKENS = 64  # one cube = one kernel block
+
+
+def compute_topk(sparsity: float, cubes: int) -> int:
+    """Cubes each query cube keeps: (1 - sparsity) of them rounded up, at least 1 (FastVideo's rule)."""
+    return max(1, min(math.ceil((1.0 - sparsity) * cubes), cubes))
+
+
+@dataclass(frozen=True)
+class VSAConfig:
+    sparsity: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sparsity < 1.0:
+            raise ConfigError(f"{NAME} sparsity must be in [0, 1) (the share of cubes skipped; 0.0 is dense); got "
+                              f"{self.sparsity}", "sparsity")
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any] | None) -> VSAConfig:
+        values = validated(NAME, config)
+        return cls(sparsity=values["sparsity"])
+
+
+def validated(name: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Types and registry defaults (the registry's ConfigParams are the only place defaults live)."""
+    from sglx.attention.config import validate_config
+    from sglx.attention.registry import find
+
+    spec = find(name, "diffusion", "dit")
+    assert spec is not None, name
+    return validate_config(spec, dict(config or {})).as_dict()
+
+
+def cube_order(meta: DiTAttnMetadata) -> TileOrder:
+    return tile_order(meta.grid, CUBE, meta.text_tokens, meta.text_position != "suffix", CUBE_TOKENS)
+
+
+def vsa_block_mask(scores: torch.Tensor, order: TileOrder, sparsity: float) -> torch.Tensor:
+    """bool [B, H, nb, nb] from cube scores [B, H, nb, nb]: every block row keeps its top-k cube columns; text
+    blocks (rows and columns) are always kept."""
+    text = on_device(order.block_tile, scores.device) < 0
+    cubes = torch.nonzero(~text).squeeze(1)
+    topk = compute_topk(sparsity, int(cubes.numel()))
+    picked = scores.index_select(-1, cubes).topk(topk, dim=-1).indices
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    mask.scatter_(-1, cubes[picked], True)
+    mask |= text[None, None, None, :] | text[None, None, :, None]
+    return mask
+
+
+@dataclass(frozen=True)
+class VSAPlan:
+    """One layer's VSA in cube order: the layout of the fine stage and the coarse scores it came from."""
+
+    order: TileOrder
+    layout: BlockSparseLayout
+    scores: torch.Tensor  # [B, H, nb, nb] coarse cube scores (scaled)
+
+
+def vsa_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, sparsity: float, scale: float) -> VSAPlan:
+    """Pool q and k (input order [B, S, H, D]) per cube and pick the cubes every query cube attends."""
+    order = cube_order(meta)
+    qc = block_means(to_order(q, order), order)
+    kc = block_means(to_order(k, order), order, heads=q.shape[2])
+    scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc) * scale
+    mask = vsa_block_mask(scores, order, sparsity)
+    lengths = None if order.k_lengths is None else on_device(order.k_lengths, q.device)
+    layout = BlockSparseLayout.from_block_mask(mask, order.block, order.block, order.slots, lengths)
+    return VSAPlan(order, layout, scores)
+
+
+def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
+                           sparsity: float, scale: float | None = None,
+                           gate_compress: torch.Tensor | None = None) -> torch.Tensor:
+    """VSA over one step's sequence, q [B, S, Hq, D], k/v [B, S, Hkv, D] in input order -> [B, S, Hq, D].
+
+    `gate_compress` [B, S, Hq, D] (a VSA-trained model's to_gate_compress output) adds the gated coarse branch;
+    None means a zero gate: the fine branch alone."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    plan = vsa_plan(q, k, meta, sparsity, scale)
+    qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
+    out = from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
+    if gate_compress is None:
+        return out
+    vc = block_means(vs, plan.order, heads=q.shape[2])  # [B, H, nb, D]
+    coarse = torch.einsum("bhnm,bhmd->bhnd", plan.scores.softmax(-1), vc)
+    block_of_token = on_device(plan.order.scatter, q.device) // plan.order.block
+    coarse = coarse.index_select(2, block_of_token).transpose(1, 2)  # [B, S, H, D]
+    return out + (gate_compress.to(coarse.dtype) * coarse).to(out.dtype)
+
+
+class VideoSparseAttentionBackend(DiffusionAttentionBackend):
+    """VSA with the config's sparsity on every self-attention call of every step and layer."""
+
+    name = NAME
+    sparse = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.vsa = VSAConfig.from_mapping(config)
+
+    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      scale: float | None = None) -> torch.Tensor:
+        check_qkv(q, k, v)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                meta: DiTAttnMetadata | None = None, layer: int = 0) -> torch.Tensor:
+        if meta is None:
+            return self.forward_dense(q, k, v, scale=scale)
+        check_qkv(q, k, v)
+        check_sequence(NAME, q, k, meta)
+        return video_sparse_attention(q, k, v, meta, self.vsa.sparsity, scale)
+
+
+def check_sequence(name: str, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata) -> None:
+    if q.shape[1] != meta.seq_len or k.shape[1] != meta.seq_len:
+        raise SglxError(f"{name}: sequence of {q.shape[1]} tokens, but the step's grid {meta.grid} and "
+                        f"{meta.text_tokens} text tokens make {meta.seq_len}")
+
+
+__all__ = ["VSAConfig", "VideoSparseAttentionBackend", "compute_topk", "video_sparse_attention", "vsa_plan"]

@@ -1,0 +1,268 @@
+"""vmoba_attn: VMoBA (mixture of block attention for video diffusion, KwaiVGI/VMoBA) on sglx's block-sparse kernel.
+
+Layers cycle through three chunk shapes (after the first `first_full_layer` layers, which run dense):
+`temporal_layer` layers with temporal chunks (`temporal_chunk_size` whole frames), then `spatial_layer` layers
+with spatial chunks (all frames of an h x w patch, `spatial_chunk_size`), then `st_layer` layers with
+spatio-temporal chunks (a t x h x w box, `st_chunk_size`), then again. The first `first_full_step` steps run
+dense. Tokens move into chunk order (a chunk's tokens contiguous, row-major inside it, each chunk padded to
+whole kernel blocks; edge chunks of a grid that does not divide by the chunk are smaller, so any grid works).
+
+Selection, as upstream `moba_attn_varlen`, with one adaptation to block-sparse kernels: it is made per
+(batch row, head, query block of 16 tokens on CPU, 16-64 on CUDA, inside one chunk) from the block's
+mean query instead of per query token. A query block scores every chunk by `mean_q . mean_k(chunk)` and
+always attends its own chunk; others are added by `moba_select_mode`:
+- `threshold` (`moba_threshold_type` `query_head`): scores min-max normalised over chunks; the other chunks,
+  best first, are added until their normalised sum over the total reaches `moba_threshold` minus the own
+  chunk's share (upstream's rule: at least the best other chunk is added when there is one; 1.0 keeps all
+  chunks: dense);
+- `topk`: the own chunk plus the chunk top-k minus one best others (k = the layer type's `*_topk`).
+Other `moba_threshold_type`s of upstream (block, overall, head_global) are not implemented: a clear error.
+
+Unset chunk sizes and top-k (the seed gives no default) take FastVideo's published VMoBA config for
+Wan2.1-T2V-1.3B (temporal 2 frames / top-3, spatial 3x4 / top-20, spatio-temporal 4x6x4 / top-15), each chunk
+dimension cut to the grid; a chunk size the user set that is larger than the grid is an error. Joint text
+tokens attend and are attended fully. Calls without step metadata run dense.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
+from sglx.attention.diffusion.sparse.routes import run_block_sparse
+from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_order
+from sglx.attention.diffusion.sparse.tiled import (
+    block_means,
+    from_order,
+    on_device,
+    pooling_dtype,
+    real_slots,
+    to_order,
+)
+from sglx.attention.diffusion.sparse.video_sparse import check_sequence, validated
+from sglx.errors import ConfigError
+
+NAME = "vmoba_attn"
+ChunkKind = Literal["temporal", "spatial", "st"]
+SELECT_MODES = ("threshold", "topk")
+THRESHOLD_TYPES = ("query_head",)
+# FastVideo's fastvideo/configs/backend/vmoba/wan_1.3B_77_480_832.json: the fallback for unset chunk sizes/top-k.
+FALLBACK_CHUNKS: dict[str, tuple[int, ...]] = {"temporal": (2,), "spatial": (3, 4), "st": (4, 6, 4)}
+FALLBACK_TOPK = {"temporal": 3, "spatial": 20, "st": 15}
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class VMoBAConfig:
+    temporal_chunk_size: int | None = None
+    temporal_topk: int | None = None
+    spatial_chunk_size: tuple[int, ...] | None = None
+    spatial_topk: int | None = None
+    st_chunk_size: tuple[int, ...] | None = None
+    st_topk: int | None = None
+    moba_select_mode: str = "threshold"
+    moba_threshold: float = 0.25
+    moba_threshold_type: str = "query_head"
+    first_full_step: int = 12
+    first_full_layer: int = 0
+    temporal_layer: int = 1
+    spatial_layer: int = 1
+    st_layer: int = 1
+
+    def __post_init__(self) -> None:
+        for key, dims in (("temporal_chunk_size", 1), ("spatial_chunk_size", 2), ("st_chunk_size", 3)):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            sizes = (value,) if isinstance(value, int) else tuple(value)
+            if len(sizes) != dims or min(sizes) < 1:
+                what = "a positive number of frames" if dims == 1 else f"{dims} positive sizes"
+                shape = "" if dims == 1 else " (H, W)" if dims == 2 else " (T, H, W)"
+                raise ConfigError(f"{NAME} {key} must be {what}{shape}; got {value}", key)
+        for key in ("temporal_topk", "spatial_topk", "st_topk"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{NAME} {key} must be >= 1 (chunks kept per query, its own included); got "
+                                  f"{value}", key)
+        if self.moba_select_mode not in SELECT_MODES:
+            raise ConfigError(f"{NAME} moba_select_mode {self.moba_select_mode!r} is not one of "
+                              f"{', '.join(SELECT_MODES)}", "moba_select_mode")
+        if not 0.0 < self.moba_threshold <= 1.0:
+            raise ConfigError(f"{NAME} moba_threshold must be in (0, 1] (1.0 keeps every chunk); got "
+                              f"{self.moba_threshold}", "moba_threshold")
+        if self.moba_threshold_type not in THRESHOLD_TYPES:
+            raise ConfigError(f"{NAME} moba_threshold_type {self.moba_threshold_type!r} is not implemented in sglx; "
+                              f"use {', '.join(THRESHOLD_TYPES)} (per query block and head)", "moba_threshold_type")
+        for key in ("first_full_step", "first_full_layer", "temporal_layer", "spatial_layer", "st_layer"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{NAME} {key} must be >= 0; got {getattr(self, key)}", key)
+        if self.cycle == 0:
+            raise ConfigError(f"{NAME} needs at least one chunk layer: temporal_layer + spatial_layer + st_layer "
+                              "is 0", "temporal_layer")
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any] | None) -> VMoBAConfig:
+        return cls(**validated(NAME, config))
+
+    @property
+    def cycle(self) -> int:
+        return self.temporal_layer + self.spatial_layer + self.st_layer
+
+    def kind_of_layer(self, layer: int) -> ChunkKind | None:
+        """The chunk type of DiT layer `layer`; None for the first `first_full_layer` (dense) layers."""
+        if layer < self.first_full_layer:
+            return None
+        slot = (layer - self.first_full_layer) % self.cycle
+        if slot < self.temporal_layer:
+            return "temporal"
+        return "spatial" if slot < self.temporal_layer + self.spatial_layer else "st"
+
+    def chunk_box(self, kind: ChunkKind, grid: Grid) -> Grid:
+        """The chunk as a (t, h, w) box of the grid; a user's size larger than the grid is an error."""
+        key = f"{kind}_chunk_size"
+        given = getattr(self, key)
+        sizes = FALLBACK_CHUNKS[kind] if given is None else ((given,) if isinstance(given, int) else tuple(given))
+        dims = {"temporal": (0,), "spatial": (1, 2), "st": (0, 1, 2)}[kind]
+        box = list(grid)
+        for size, dim in zip(sizes, dims):
+            if given is not None and size > grid[dim]:
+                raise ConfigError(f"{NAME} {key} {list(sizes)} does not fit the latent grid (T, H, W) = {grid}: "
+                                  f"{'THW'[dim]} is {grid[dim]}; use at most {[grid[d] for d in dims]}", key)
+            box[dim] = min(size, grid[dim])
+        return (box[0], box[1], box[2])
+
+    def topk(self, kind: ChunkKind) -> int:
+        value = getattr(self, f"{kind}_topk")
+        return FALLBACK_TOPK[kind] if value is None else value
+
+
+def chunk_block(volume: int, device: torch.device) -> int:
+    """Kernel block for chunks of `volume` tokens: 16 on CPU (fine selection on tiny grids); on CUDA the largest
+    of 64/32/16 that pads a chunk by at most 1/16 more than the smallest would."""
+    if device.type != "cuda":
+        return 16
+    padded = {b: cdiv(volume, b) * b for b in (64, 32, 16)}
+    best = min(padded.values())
+    return next(b for b in (64, 32, 16) if padded[b] * 16 <= best * 17)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_order(grid: Grid, box: Grid, text_tokens: int, text_prefix: bool, block: int) -> TileOrder:
+    return tile_order(grid, box, text_tokens, text_prefix, block)
+
+
+def chunk_means(k_ordered: torch.Tensor, order: TileOrder, heads: int) -> torch.Tensor:
+    """Mean key of every chunk's real tokens: [B, slots, Hkv, D] in chunk order -> [B, H, chunks, D]."""
+    tile = on_device(order.block_tile, k_ordered.device)
+    video = torch.nonzero(tile >= 0).squeeze(1)
+    counts = on_device(real_slots(order), k_ordered.device).sum(1).to(pooling_dtype(k_ordered))  # [nb]
+    sums = block_means(k_ordered, order, heads) * counts[None, None, :, None]
+    chunks = int(tile.max()) + 1
+    out = sums.new_zeros(sums.shape[0], sums.shape[1], chunks, sums.shape[3])
+    out.index_add_(2, tile[video], sums.index_select(2, video))
+    per_chunk = counts.new_zeros(chunks).index_add_(0, tile[video], counts[video])
+    return out / per_chunk[None, None, :, None]
+
+
+def select_threshold(gate: torch.Tensor, own: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Upstream's `query_head` threshold rule on gate [..., C] (own chunk index `own` [...]) -> bool [..., C]."""
+    chunks = gate.shape[-1]
+    own_hot = F.one_hot(own, chunks).bool().expand_as(gate)
+    if threshold >= 1.0:
+        return torch.ones_like(own_hot)
+    lo, hi = gate.amin(-1, keepdim=True), gate.amax(-1, keepdim=True)
+    denom = hi - lo
+    norm = (gate - lo) / torch.where(denom <= EPS, torch.ones_like(denom), denom)
+    total = norm.sum(-1, keepdim=True)
+    own_norm = (norm * own_hot).sum(-1, keepdim=True)
+    remain = (threshold - own_norm / (total + EPS)).clamp(min=0.0)
+    ranked, order = norm.masked_fill(own_hot, 0.0).sort(-1, descending=True)
+    reached = ranked.cumsum(-1) / (total + EPS) >= remain
+    cutoff = torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), chunks - 1)
+    keep = torch.arange(chunks, device=gate.device) <= cutoff
+    picked = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return picked | own_hot
+
+
+def select_topk(gate: torch.Tensor, own: torch.Tensor, topk: int) -> torch.Tensor:
+    """The own chunk plus the best top-k minus one others -> bool [..., C]."""
+    chunks = gate.shape[-1]
+    own_hot = F.one_hot(own, chunks).bool().expand_as(gate)
+    boosted = gate.masked_fill(own_hot, float("inf"))
+    picked = boosted.topk(min(topk, chunks), dim=-1).indices
+    return torch.zeros_like(own_hot).scatter_(-1, picked, True)
+
+
+@dataclass(frozen=True)
+class VMoBAPlan:
+    order: TileOrder
+    layout: BlockSparseLayout
+    chunks: torch.Tensor  # bool [B, H, nb, C]: chunks each query block attends (text rows meaningless)
+
+
+def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMoBAConfig, kind: ChunkKind,
+               block: int | None = None) -> VMoBAPlan:
+    """Chunk order, per-query-block chunk choice and the block layout of one VMoBA layer."""
+    box = cfg.chunk_box(kind, meta.grid)
+    block = block or chunk_block(box[0] * box[1] * box[2], q.device)
+    order = chunk_order(meta.grid, box, meta.text_tokens, meta.text_position != "suffix", block)
+    qb = block_means(to_order(q, order), order)  # [B, H, nb, D]
+    kc = chunk_means(to_order(k, order), order, q.shape[2])  # [B, H, C, D]
+    gate = torch.einsum("bhnd,bhcd->bhnc", qb.double(), kc.double())
+    tile = on_device(order.block_tile, q.device)
+    own = tile.clamp(min=0)[None, None, :].expand(gate.shape[:3])
+    if cfg.moba_select_mode == "topk":
+        chosen = select_topk(gate, own, cfg.topk(kind))
+    else:
+        chosen = select_threshold(gate, own, cfg.moba_threshold)
+    text = tile < 0
+    mask = chosen.index_select(-1, tile.clamp(min=0)) | text[None, None, None, :] | text[None, None, :, None]
+    lengths = None if order.k_lengths is None else on_device(order.k_lengths, q.device)
+    layout = BlockSparseLayout.from_block_mask(mask, block, block, order.slots, lengths)
+    return VMoBAPlan(order, layout, chosen)
+
+
+class VMoBABackend(DiffusionAttentionBackend):
+    """VMoBA: dense for the first steps/layers, then temporal/spatial/spatio-temporal chunk layers in turn."""
+
+    name = NAME
+    sparse = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.vmoba = VMoBAConfig.from_mapping(config)
+
+    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      scale: float | None = None) -> torch.Tensor:
+        check_qkv(q, k, v)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    def layer_kind(self, meta: DiTAttnMetadata | None, layer: int) -> ChunkKind | None:
+        """The chunk type this call runs; None when it runs dense (no metadata, a full step or layer)."""
+        if meta is None or meta.step_index < self.vmoba.first_full_step:
+            return None
+        return self.vmoba.kind_of_layer(layer)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                meta: DiTAttnMetadata | None = None, layer: int = 0) -> torch.Tensor:
+        kind = self.layer_kind(meta, layer)
+        if kind is None or meta is None:
+            return self.forward_dense(q, k, v, scale=scale)
+        check_qkv(q, k, v)
+        check_sequence(NAME, q, k, meta)
+        plan = vmoba_plan(q, k, meta, self.vmoba, kind)
+        qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
+        return from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
+
+
+__all__ = ["VMoBABackend", "VMoBAConfig", "select_threshold", "select_topk", "vmoba_plan"]
