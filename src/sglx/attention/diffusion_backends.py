@@ -89,7 +89,9 @@ register(BackendSpec(
               Package(("sageattention",))),
     features=DiffusionFeatures(
         notes="Lossy: Q and K are rounded to INT8 per block and V to fp16, so outputs differ from exact attention "
-              "by about 1e-2 (checked at a wider tolerance than exact kernels); on H100 it is slower than cuDNN.",
+              "by about 1e-2 (checked at a wider tolerance than exact kernels). sageattention 1.0.6 leaves its last "
+              "64-key block unmasked; sglx pads and corrects it exactly, at twice the cost on such key counts. "
+              "On H100 it is slower than cuDNN.",
         check_tolerance=6e-2),
     factory="sglx.attention.diffusion.sage:SageAttentionBackend",
 ))
