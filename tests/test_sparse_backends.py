@@ -1,0 +1,468 @@
+"""video_sparse_attn, vmoba_attn and sparse_video_gen_2_attn: each layout against a brute-force token-level mask
+built independently (Python loops over cubes, chunks and clusters), each backend against float64 masked
+attention with that mask, degenerate configs equal to dense attention, config errors, and the tiny Wan end to
+end through DiffusionEngine (CPU path: the masked reference)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sparse import svg2 as svg2_module
+from sglx.attention.diffusion.sparse.kmeans import kmeans
+from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend, dynamic_map, svg2_plan
+from sglx.attention.diffusion.sparse.video_sparse import (
+    VideoSparseAttentionBackend,
+    compute_topk,
+    video_sparse_attention,
+    vsa_plan,
+)
+from sglx.attention.diffusion.sparse.vmoba import VMoBABackend, VMoBAConfig, vmoba_plan
+from sglx.errors import ConfigError, SglxError
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+# ------------------------------------------------------------------------------------------- shared helpers
+
+
+def make_meta(grid, text=0, position="none", step=0, steps=1, layers=4, heads=4):
+    return DiTAttnMetadata(grid=grid, num_heads=heads, head_dim=8, text_tokens=text,
+                           text_position=position if text else "none", step_index=step, num_steps=steps,
+                           num_layers=layers)
+
+
+def qkv(meta, hq=4, hkv=2, d=8, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, meta.seq_len, hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, meta.seq_len, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, meta.seq_len, hkv, d, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def masked_reference(q, k, v, allowed, scale):
+    """float64 attention in input order; allowed bool [B|1, H, S, S] (query, key)."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+
+
+def dense(q, k, v, scale):
+    return masked_reference(q, k, v, torch.ones(1, 1, q.shape[1], q.shape[1], dtype=torch.bool), scale)
+
+
+def video_positions(meta):
+    """Sequence index of the latent token at (t, h, w)."""
+    t, h, w = meta.grid
+    return lambda a, b, c: meta.image_start + (a * h + b) * w + c
+
+
+def boxes(grid, box):
+    """Python list of the token coordinates of every box, boxes row-major, tokens row-major inside."""
+    out = []
+    ranges = [range(0, g, b) for g, b in zip(grid, box)]
+    for t0, h0, w0 in itertools.product(*ranges):
+        out.append(list(itertools.product(range(t0, min(t0 + box[0], grid[0])),
+                                          range(h0, min(h0 + box[1], grid[1])),
+                                          range(w0, min(w0 + box[2], grid[2])))))
+    return out
+
+
+def text_positions(meta):
+    return list(range(meta.text_start, meta.text_start + meta.text_tokens))
+
+
+def with_text(mask, meta):
+    """Text tokens attend everything and are attended by everything."""
+    text = text_positions(meta)
+    mask[..., text, :] = True
+    mask[..., :, text] = True
+    return mask
+
+
+def layout_in_input_order(layout, scatter):
+    """The layout's token mask [B, H, S, S] moved from tile order back to input order."""
+    return layout.token_mask()[:, :, scatter][:, :, :, scatter]
+
+
+# --------------------------------------------------------------------------------------------------- VSA
+
+
+def brute_force_vsa(q, k, meta, sparsity, scale):
+    """Token mask of VSA computed cube by cube with Python loops (float64)."""
+    pos = video_positions(meta)
+    cubes = [[pos(*c) for c in cube] for cube in boxes(meta.grid, (4, 4, 4))]
+    b, s, hq, _ = q.shape
+    group = hq // k.shape[2]
+    qc = torch.stack([q[:, idx].mean(1) for idx in cubes], 2)  # [B, H, n, D]
+    kc = torch.stack([k[:, idx].mean(1) for idx in cubes], 2).repeat_interleave(group, 1)
+    scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc) * scale
+    keep = math.ceil((1 - sparsity) * len(cubes))
+    mask = torch.zeros(b, hq, s, s, dtype=torch.bool)
+    for bb, hh, i in itertools.product(range(b), range(hq), range(len(cubes))):
+        for j in scores[bb, hh, i].topk(max(1, keep)).indices.tolist():
+            mask[bb, hh, torch.tensor(cubes[i])[:, None], torch.tensor(cubes[j])[None, :]] = True
+    return with_text(mask, meta)
+
+
+@pytest.mark.parametrize(("grid", "text", "position", "sparsity"), [
+    ((5, 6, 7), 0, "none", 0.6),       # nothing divides by 4: edge cubes padded
+    ((4, 8, 4), 0, "none", 0.5),       # divides: no padding at all
+    ((3, 5, 9), 7, "prefix", 0.7),     # FLUX-like text prefix
+    ((6, 3, 5), 70, "suffix", 0.4),    # text suffix longer than one block
+])
+def test_vsa_layout_and_output_match_brute_force(grid, text, position, sparsity):
+    meta = make_meta(grid, text, position)
+    q, k, v = qkv(meta)
+    plan = vsa_plan(q, k, meta, sparsity, 0.3)
+    want = brute_force_vsa(q, k, meta, sparsity, 0.3)
+    assert torch.equal(layout_in_input_order(plan.layout, plan.order.scatter), want)
+    out = VideoSparseAttentionBackend({"sparsity": sparsity}).forward(q, k, v, scale=0.3, meta=meta, layer=3)
+    assert torch.allclose(out, masked_reference(q, k, v, want, 0.3), atol=1e-10)
+    assert not torch.allclose(out, dense(q, k, v, 0.3), atol=1e-3)
+
+
+def test_vsa_sparsity_zero_is_dense_and_topk_rule():
+    meta = make_meta((5, 6, 7), 5, "prefix")
+    q, k, v = qkv(meta)
+    out = VideoSparseAttentionBackend({}).forward(q, k, v, scale=0.3, meta=meta)
+    assert torch.allclose(out, dense(q, k, v, 0.3), atol=1e-12)
+    assert [compute_topk(s, 10) for s in (0.0, 0.5, 0.87, 0.99)] == [10, 5, 2, 1]
+
+
+def test_vsa_gated_coarse_branch_matches_reference():
+    """out = fine + gate * coarse, coarse = attention over mean-pooled cubes broadcast to each cube's tokens."""
+    meta = make_meta((5, 6, 7))
+    q, k, v = qkv(meta)
+    gate = torch.rand_like(q)
+    out = video_sparse_attention(q, k, v, meta, 0.6, 0.3, gate_compress=gate)
+    pos = video_positions(meta)
+    cubes = [[pos(*c) for c in cube] for cube in boxes(meta.grid, (4, 4, 4))]
+    qc = torch.stack([q[:, idx].mean(1) for idx in cubes], 2)
+    kc = torch.stack([k[:, idx].mean(1) for idx in cubes], 2).repeat_interleave(2, 1)
+    vc = torch.stack([v[:, idx].mean(1) for idx in cubes], 2).repeat_interleave(2, 1)
+    coarse_cubes = (torch.einsum("bhnd,bhmd->bhnm", qc, kc) * 0.3).softmax(-1) @ vc
+    coarse = torch.zeros_like(q)
+    for i, idx in enumerate(cubes):
+        coarse[:, idx] = coarse_cubes[:, :, i][:, None]
+    fine = masked_reference(q, k, v, brute_force_vsa(q, k, meta, 0.6, 0.3), 0.3)
+    assert torch.allclose(out, fine + gate * coarse, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------- VMoBA
+
+
+def select_reference(gate, own, mode, threshold, topk):
+    """Upstream's per-row chunk choice, written with Python lists."""
+    n = len(gate)
+    if mode == "topk":
+        others = sorted((i for i in range(n) if i != own), key=lambda i: -gate[i])
+        return {own, *others[: min(topk, n) - 1]}
+    if threshold >= 1.0:
+        return set(range(n))
+    lo, hi = min(gate), max(gate)
+    denom = hi - lo if hi - lo > 1e-6 else 1.0
+    norm = [(g - lo) / denom for g in gate]
+    total = sum(norm)
+    remain = max(threshold - norm[own] / (total + 1e-6), 0.0)
+    ranked = sorted(range(n), key=lambda i: -(0.0 if i == own else norm[i]))
+    picked, acc = {own}, 0.0
+    for i in ranked:
+        acc += 0.0 if i == own else norm[i]
+        picked.add(i)
+        if acc / (total + 1e-6) >= remain:
+            break
+    return picked
+
+
+def brute_force_vmoba(q, k, meta, box, block, mode, threshold, topk):
+    """Token mask of VMoBA: chunks (boxes), query blocks of `block` tokens inside each chunk, pooled query per
+    block against the mean key of every chunk."""
+    pos = video_positions(meta)
+    chunks = [[pos(*c) for c in chunk] for chunk in boxes(meta.grid, box)]
+    b, s, hq, _ = q.shape
+    kk = k.repeat_interleave(hq // k.shape[2], 2)
+    means = torch.stack([kk[:, idx].mean(1) for idx in chunks], 2)  # [B, H, C, D]
+    mask = torch.zeros(b, hq, s, s, dtype=torch.bool)
+    for c, idx in enumerate(chunks):
+        for start in range(0, len(idx), block):
+            rows = idx[start:start + block]
+            pooled = q[:, rows].mean(1)  # [B, H, D]
+            gate = torch.einsum("bhd,bhcd->bhc", pooled, means)
+            for bb, hh in itertools.product(range(b), range(hq)):
+                for j in select_reference(gate[bb, hh].tolist(), c, mode, threshold, topk):
+                    mask[bb, hh, torch.tensor(rows)[:, None], torch.tensor(chunks[j])[None, :]] = True
+    return with_text(mask, meta)
+
+
+@pytest.mark.parametrize(("grid", "text", "position", "kind", "chunk", "mode", "threshold"), [
+    ((5, 6, 7), 0, "none", "temporal", 2, "threshold", 0.25),
+    ((5, 6, 7), 6, "prefix", "spatial", (4, 3), "threshold", 0.6),
+    ((4, 6, 5), 0, "none", "st", (2, 4, 3), "threshold", 0.25),
+    ((4, 6, 5), 9, "suffix", "st", (3, 3, 2), "topk", 0.25),
+    ((5, 4, 6), 0, "none", "spatial", (2, 2), "topk", 0.25),
+])
+def test_vmoba_layout_and_output_match_brute_force(grid, text, position, kind, chunk, mode, threshold):
+    meta = make_meta(grid, text, position, step=1, steps=2)
+    q, k, v = qkv(meta)
+    cfg = VMoBAConfig(**{f"{kind}_chunk_size": chunk, f"{kind}_topk": 3}, moba_select_mode=mode,
+                      moba_threshold=threshold, first_full_step=1)
+    plan = vmoba_plan(q, k, meta, cfg, kind, block=16)
+    box = cfg.chunk_box(kind, grid)
+    want = brute_force_vmoba(q, k, meta, box, 16, mode, threshold, 3)
+    assert torch.equal(layout_in_input_order(plan.layout, plan.order.scatter), want)
+    assert plan.layout.density() < 0.95
+    layer = {"temporal": 0, "spatial": 1, "st": 2}[kind]
+    out = VMoBABackend(cfg.__dict__).forward(q, k, v, scale=0.3, meta=meta, layer=layer)
+    assert torch.allclose(out, masked_reference(q, k, v, want, 0.3), atol=1e-10)
+
+
+def test_vmoba_layer_cycle_full_steps_and_layers():
+    cfg = VMoBAConfig(first_full_layer=2, temporal_layer=2, spatial_layer=1, st_layer=1)
+    assert [cfg.kind_of_layer(n) for n in range(8)] == [None, None, "temporal", "temporal", "spatial", "st",
+                                                         "temporal", "temporal"]
+    backend = VMoBABackend({"first_full_step": 2, "first_full_layer": 1, "temporal_chunk_size": 1})
+    meta = make_meta((3, 4, 4), step=1, steps=3)
+    q, k, v = qkv(meta)
+    assert backend.layer_kind(meta, 1) is None and backend.layer_kind(meta.at_step(2), 0) is None
+    assert backend.layer_kind(meta.at_step(2), 1) == "temporal" and backend.layer_kind(None, 3) is None
+    assert torch.allclose(backend.forward(q, k, v, scale=0.3, meta=meta, layer=1), dense(q, k, v, 0.3), atol=1e-12)
+    assert not torch.allclose(backend.forward(q, k, v, scale=0.3, meta=meta.at_step(2), layer=1),
+                              dense(q, k, v, 0.3), atol=1e-3)
+
+
+def test_vmoba_threshold_one_and_topk_all_are_dense():
+    meta = make_meta((5, 6, 7), 4, "suffix", step=0, steps=1)
+    q, k, v = qkv(meta)
+    for config in ({"moba_threshold": 1.0, "temporal_chunk_size": 1},
+                   {"moba_select_mode": "topk", "spatial_chunk_size": [2, 2], "spatial_topk": 100}):
+        backend = VMoBABackend({"first_full_step": 0, **config})
+        for layer in range(3):
+            out = backend.forward(q, k, v, scale=0.3, meta=meta, layer=layer)
+            assert torch.allclose(out, dense(q, k, v, 0.3), atol=1e-12)
+
+
+def test_vmoba_unset_chunks_fall_back_to_fastvideo_values_cut_to_the_grid():
+    cfg = VMoBAConfig()
+    assert cfg.chunk_box("temporal", (21, 30, 52)) == (2, 30, 52)
+    assert cfg.chunk_box("spatial", (21, 30, 52)) == (21, 3, 4)
+    assert cfg.chunk_box("st", (21, 30, 52)) == (4, 6, 4)
+    assert cfg.chunk_box("st", (3, 4, 8)) == (3, 4, 4)
+    assert (cfg.topk("temporal"), cfg.topk("spatial"), cfg.topk("st")) == (3, 20, 15)
+
+
+# -------------------------------------------------------------------------------------------------- SVG2
+
+
+def brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, block):
+    """Per (b, h): permuted order (stable sort by cluster, text last), then block pairs attended when any of
+    their (query cluster, key cluster) pairs is kept; text is its own always-kept cluster."""
+    b, hq, n = q_labels.shape
+    hkv = k_labels.shape[1]
+    s = meta.seq_len
+    nb = -(-s // block)
+    out = torch.zeros(b, hq, nb, nb, dtype=torch.bool)
+    for bb, hh in itertools.product(range(b), range(hq)):
+        ql = sorted(q_labels[bb, hh].tolist()) + ["text"] * meta.text_tokens
+        kl = sorted(k_labels[bb, hh // (hq // hkv)].tolist()) + ["text"] * meta.text_tokens
+        for i, j in itertools.product(range(nb), range(nb)):
+            qs, ks = set(ql[i * block:(i + 1) * block]), set(kl[j * block:(j + 1) * block])
+            out[bb, hh, i, j] = any(a == "text" or c == "text" or bool(cmap[bb, hh, a, c])
+                                    for a in qs for c in ks)
+    return out
+
+
+@pytest.mark.parametrize(("grid", "text", "position"), [((3, 5, 7), 0, "none"), ((2, 5, 6), 9, "prefix"),
+                                                        ((3, 4, 5), 20, "suffix")])
+def test_svg2_layout_matches_brute_force_and_covers_the_cluster_mask(grid, text, position):
+    meta = make_meta(grid, text, position)
+    gen = torch.Generator().manual_seed(1)
+    n = meta.image_tokens
+    q_labels = torch.randint(0, 6, (2, 4, n), generator=gen)
+    k_labels = torch.randint(0, 9, (2, 2, n), generator=gen)
+    cmap = torch.rand(2, 4, 6, 9, generator=gen) < 0.3
+    plan = svg2_plan(q_labels, k_labels, cmap, meta, 16)
+    assert torch.equal(plan.layout.block_mask(), brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, 16))
+    # every (query token, key token) pair SVG2 keeps is attended (token level, input order)
+    perm = plan.layout.token_mask()  # [B, H, S, S] over permuted slots
+    q_slot = torch.argsort(plan.q_index.transpose(1, 2), dim=-1)  # [B, H, S]: slot of every input token
+    k_slot = torch.argsort(plan.k_index.transpose(1, 2), dim=-1).repeat_interleave(2, 1)
+    got = torch.stack([torch.stack([perm[bb, hh][q_slot[bb, hh]][:, k_slot[bb, hh]] for hh in range(4)])
+                       for bb in range(2)])
+    image = slice(meta.image_start, meta.image_start + n)
+    kept = cmap.gather(2, q_labels[..., None].expand(-1, -1, -1, 9))  # [B, H, N, Ck]
+    kept = kept.gather(3, k_labels.repeat_interleave(2, 1)[:, :, None, :].expand(-1, -1, n, -1))
+    assert bool(got[:, :, image, image][kept].all())
+    assert bool(got[:, :, text_positions(meta)].all()) and bool(got[:, :, :, text_positions(meta)].all())
+
+
+def test_svg2_dynamic_map_is_weighted_top_p():
+    gen = torch.Generator().manual_seed(2)
+    qc, kc = torch.randn(1, 2, 3, 4, generator=gen), torch.randn(1, 2, 7, 4, generator=gen)
+    sizes = torch.randint(0, 5, (1, 2, 7), generator=gen)
+    got = dynamic_map(qc, kc, sizes, 0.5, 0.6, 0.0)
+    for h, i in itertools.product(range(2), range(3)):
+        w = [sizes[0, h, j].item() * math.exp(0.5 * float(qc[0, h, i] @ kc[0, h, j])) for j in range(7)]
+        probs = [x / sum(w) for x in w]
+        order = sorted(range(7), key=lambda j: -probs[j])
+        keep, mass = set(), 0.0
+        for j in order:
+            if mass > 0.6:
+                break
+            keep.add(j)
+            mass += probs[j]
+        assert {j for j in range(7) if got[0, h, i, j]} == keep
+    assert bool(dynamic_map(qc, kc, sizes, 0.5, 1.0, 0.0).all())
+    assert int(dynamic_map(qc, kc, sizes, 0.5, 0.01, 0.5).sum(-1).min()) == 3  # int(0.5 * 7) kept at least
+
+
+def test_kmeans_converges_to_nearest_centroid_means():
+    gen = torch.Generator().manual_seed(3)
+    centres = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]], dtype=torch.float64)
+    points = centres.repeat_interleave(20, 0) + 0.1 * torch.randn(60, 2, generator=gen, dtype=torch.float64)
+    res = kmeans(points[None], 3, 20)  # strided init picks one point per blob: the blobs come out
+    assert res.sizes[0].tolist() == [20, 20, 20]
+    # any start ends at a Lloyd fixed point: every label is the nearest centroid, every centroid its cluster's mean
+    x = points[torch.randperm(60, generator=gen)][None]
+    res = kmeans(x, 3, 50)
+    dist = torch.cdist(x[0], res.centroids[0])
+    assert torch.equal(res.labels[0], dist.argmin(-1))
+    for c in range(3):
+        assert torch.allclose(res.centroids[0, c], x[0][res.labels[0] == c].mean(0))
+
+
+def test_svg2_backend_matches_reference_with_its_own_plan_and_warm_starts(monkeypatch):
+    meta = make_meta((3, 5, 6), 7, "prefix", step=1, steps=3, layers=2)
+    q, k, v = qkv(meta)
+    calls = []
+    real = svg2_module.kmeans
+
+    def spy(x, clusters, iters, init=None, **kw):
+        calls.append((clusters, iters, init is None))
+        return real(x, clusters, iters, init, **kw)
+
+    monkeypatch.setattr(svg2_module, "kmeans", spy)
+    backend = SparseVideoGen2Backend({"num_q_centroids": 6, "num_k_centroids": 10, "top_p_kmeans": 0.5,
+                                      "min_kc_ratio": 0.0, "kmeans_iter_init": 7, "kmeans_iter_step": 2,
+                                      "first_times_fp": 0.34, "first_layers_fp": 0.5})
+    assert torch.allclose(backend.forward(q, k, v, scale=0.3, meta=meta.at_step(0), layer=1), dense(q, k, v, 0.3))
+    assert torch.allclose(backend.forward(q, k, v, scale=0.3, meta=meta, layer=0), dense(q, k, v, 0.3))
+    assert calls == []  # dense step 0 (0.34 * 3 -> 1 step) and dense layer 0 (0.5 * 2 -> 1 layer): no clustering
+    out = backend.forward(q, k, v, scale=0.3, meta=meta, layer=1)
+    plan = backend.last_plan
+    assert plan is not None and plan.layout.density() < 0.95
+    perm = plan.layout.token_mask()
+    q_slot = torch.argsort(plan.q_index.transpose(1, 2), dim=-1)
+    k_slot = torch.argsort(plan.k_index.transpose(1, 2), dim=-1).repeat_interleave(2, 1)
+    allowed = torch.stack([torch.stack([perm[b, h][q_slot[b, h]][:, k_slot[b, h]] for h in range(4)])
+                           for b in range(2)])
+    assert torch.allclose(out, masked_reference(q, k, v, allowed, 0.3), atol=1e-10)
+    backend.forward(q, k, v, scale=0.3, meta=meta.at_step(2), layer=1)  # warm: previous step's centroids
+    backend.forward(q, k, v, scale=0.3, meta=meta.at_step(1), layer=1)  # a new generation starts over
+    assert calls == [(6, 7, True), (10, 7, True), (6, 2, False), (10, 2, False), (6, 7, True), (10, 7, True)]
+
+
+def test_svg2_top_p_one_and_full_fractions_are_dense():
+    meta = make_meta((3, 4, 5), 3, "suffix", step=2, steps=3, layers=2)
+    q, k, v = qkv(meta)
+    for config in ({"top_p_kmeans": 1.0, "num_q_centroids": 4, "num_k_centroids": 4}, {"first_times_fp": 1.0},
+                   {"first_layers_fp": 1.0}):
+        out = SparseVideoGen2Backend(config).forward(q, k, v, scale=0.3, meta=meta, layer=1)
+        assert torch.allclose(out, dense(q, k, v, 0.3), atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize(("cls", "config", "needle"), [
+    (VideoSparseAttentionBackend, {"sparsity": 1.0}, "sparsity must be in [0, 1)"),
+    (VideoSparseAttentionBackend, {"sparsity": -0.1}, "sparsity must be in [0, 1)"),
+    (VideoSparseAttentionBackend, {"sparsity": "high"}, "'sparsity' for video_sparse_attn must be float"),
+    (VMoBABackend, {"spatial_chunk_size": [3]}, "spatial_chunk_size must be 2 positive sizes (H, W)"),
+    (VMoBABackend, {"st_chunk_size": [1, 0, 2]}, "st_chunk_size must be 3 positive sizes (T, H, W)"),
+    (VMoBABackend, {"temporal_chunk_size": 0}, "temporal_chunk_size must be a positive number of frames"),
+    (VMoBABackend, {"st_topk": 0}, "st_topk must be >= 1"),
+    (VMoBABackend, {"moba_select_mode": "random"}, "moba_select_mode 'random' is not one of threshold, topk"),
+    (VMoBABackend, {"moba_threshold": 0.0}, "moba_threshold must be in (0, 1]"),
+    (VMoBABackend, {"moba_threshold": 1.5}, "moba_threshold must be in (0, 1]"),
+    (VMoBABackend, {"moba_threshold_type": "overall"}, "'overall' is not implemented in sglx; use query_head"),
+    (VMoBABackend, {"temporal_layer": 0, "spatial_layer": 0, "st_layer": 0}, "at least one chunk layer"),
+    (VMoBABackend, {"first_full_step": -1}, "first_full_step must be >= 0"),
+    (SparseVideoGen2Backend, {"top_p_kmeans": 0.0}, "top_p_kmeans must be in (0, 1]"),
+    (SparseVideoGen2Backend, {"min_kc_ratio": 2.0}, "min_kc_ratio must be a fraction in [0, 1]"),
+    (SparseVideoGen2Backend, {"num_k_centroids": 0}, "num_k_centroids must be >= 1"),
+    (SparseVideoGen2Backend, {"kmeans_iter_step": -2}, "kmeans_iter_step must be >= 0"),
+    (SparseVideoGen2Backend, {"centroids": 3}, "unknown key 'centroids'"),
+])
+def test_bad_config_is_one_clear_error(cls, config, needle):
+    with pytest.raises(ConfigError) as info:
+        cls(config)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_chunk_larger_than_grid_and_bad_sequence_are_clear_errors():
+    meta = make_meta((3, 4, 5), step=0, steps=1)
+    q, k, v = qkv(meta)
+    backend = VMoBABackend({"first_full_step": 0, "st_chunk_size": [2, 6, 2]})
+    with pytest.raises(ConfigError, match=r"st_chunk_size \[2, 6, 2\] does not fit the latent grid"):
+        backend.forward(q, k, v, scale=0.3, meta=meta, layer=2)
+    with pytest.raises(SglxError, match="sequence of 59 tokens"):
+        VideoSparseAttentionBackend({"sparsity": 0.5}).forward(q[:, :59], k[:, :59], v[:, :59], meta=meta)
+
+
+def test_no_metadata_runs_dense():
+    meta = make_meta((3, 4, 5))
+    q, k, v = qkv(meta)
+    for backend in (VideoSparseAttentionBackend({"sparsity": 0.9}), VMoBABackend({"first_full_step": 0}),
+                    SparseVideoGen2Backend({"first_times_fp": 0.0, "first_layers_fp": 0.0})):
+        assert torch.allclose(backend.forward(q, k, v, scale=0.3, meta=None, layer=5), dense(q, k, v, 0.3))
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize(("name", "config", "sparse_steps"), [
+    ("video_sparse_attn", "sparsity=0.5", {0, 1}),
+    ("vmoba_attn", json.dumps({"first_full_step": 1, "temporal_chunk_size": 1, "spatial_chunk_size": [2, 4]}), {1}),
+    ("sparse_video_gen_2_attn", "first_times_fp=0.5,num_q_centroids=4,num_k_centroids=8,top_p_kmeans=0.5,"
+                                "min_kc_ratio=0.0,kmeans_iter_init=5", {1}),
+])
+def test_tiny_wan_end_to_end_switches_dense_and_sparse_per_step(tmp_path, monkeypatch, name, config, sparse_steps):
+    pytest.importorskip("diffusers")
+    from diffusion_test_utils import make_tiny_wan
+    from sglx.attention.registry import find
+    from sglx.diffusion.engine import DiffusionEngine
+    from sglx.diffusion.request import DiffusionRequest
+    from sglx.llm.engine_config import EngineConfig
+
+    cls = find(name, "diffusion", "dit").load()  # type: ignore[union-attr]
+    original = cls.forward
+    seen: list[tuple[int, int, float]] = []
+
+    def spy(self, q, k, v, *, scale=None, meta=None, layer=0):
+        out = original(self, q, k, v, scale=scale, meta=meta, layer=layer)
+        seen.append((meta.step_index, layer, (out - self.forward_dense(q, k, v, scale=scale)).abs().max().item()))
+        return out
+
+    monkeypatch.setattr(cls, "forward", spy)
+    wan = make_tiny_wan(tmp_path / "wan", head_dim=16, heads=2, layers=2)
+    engine = DiffusionEngine(EngineConfig(model_path=str(wan), device="cpu", attention_backend=name,
+                                          attention_backend_config=config))
+    assert engine.attention.name == name
+    req = DiffusionRequest(prompt="a red circle", height=32, width=64, num_frames=5, num_inference_steps=2,
+                           guidance_scale=1.0, seed=1)
+    out = engine.generate(req)
+    assert out.frames.shape == (5, 32, 64, 3) and torch.isfinite(torch.as_tensor(out.frames).float()).all()
+    assert sorted((step, layer) for step, layer, _ in seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # grid (3, 4, 8)
+    for step, layer, diff in seen:
+        if step in sparse_steps:
+            assert diff > 1e-4, (step, layer, diff)  # really sparse: differs from dense attention
+        else:
+            assert diff == 0.0, (step, layer, diff)
