@@ -106,8 +106,8 @@ def test_missing_file_missing_key_window_too_large_and_mode(tmp_path):
     with pytest.raises(ConfigError, match="needs mask_strategy_file_path"):
         SlidingTileAttentionBackend({})
     path = _strategy(tmp_path, 1, 2)
-    with pytest.raises(ConfigError, match="sta_mode 'STA_searching' is not supported"):
-        SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "sta_mode": "STA_searching"})
+    with pytest.raises(ConfigError, match="sta_mode 'STA_tuning' is not supported"):
+        SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "sta_mode": "STA_tuning"})
     backend = SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "skip_time_steps": 0}, tile=(2, 2, 2))
     meta = DiTAttnMetadata(grid=(2, 4, 4), num_heads=2, head_dim=8)
     q = torch.randn(1, 32, 2, 8)
@@ -161,3 +161,24 @@ def test_tiny_wan_end_to_end_uses_the_pipeline_metadata(tmp_path, monkeypatch):
     assert len(seen) == 2 and {s[1] for s in seen} == {1}  # two layers; step 0 ran dense (skip_time_steps=1)
     assert seen[0][0] == (3, 4, 8) and seen[0][2] == ((1, 1, 1), (1, 1, 1))
     assert min(s[3] for s in seen) > 1e-4  # really sparse: differs from dense attention
+
+
+def test_mask_search_writes_the_smallest_window_within_tolerance(tmp_path):
+    out = tmp_path / "searched.json"
+    backend = SlidingTileAttentionBackend({"mask_strategy_file_path": str(out), "sta_mode": "STA_searching",
+                                           "skip_time_steps": 1}, tile=(1, 2, 2))
+    backend.candidates = ((1, 1, 1), (3, 3, 3), (9, 9, 9))  # the last one covers the 3x2x2-tile grid: exact
+    meta = DiTAttnMetadata(grid=(3, 4, 4), num_heads=2, head_dim=8, step_index=1, num_steps=3, num_layers=1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 48, 2, 8, dtype=torch.float64) for _ in range(3))
+    dense = backend.forward_dense(q, k, v)
+    assert torch.equal(backend.forward(q, k, v, meta=meta, layer=0), dense)  # searching returns dense
+    backend.forward(q, k, v, meta=meta.at_step(2), layer=0)
+    strategy = json.loads(out.read_text())
+    assert set(strategy) == {"1_0_0", "1_0_1", "2_0_0", "2_0_1"}
+    assert strategy["1_0_0"] == [3, 2, 2]  # (9, 9, 9) clamped to the grid of tiles: the only exact window
+    backend.search.write(out, tolerance=10.0)
+    assert json.loads(out.read_text())["2_0_1"] == [1, 1, 1]
+    inference = SlidingTileAttentionBackend({"mask_strategy_file_path": str(out), "skip_time_steps": 1},
+                                            tile=(1, 2, 2))
+    assert inference.forward(q, k, v, meta=meta, layer=0).shape == q.shape

@@ -72,7 +72,8 @@ register(BackendSpec(
         notes="sglx's Triton block-sparse kernel on CUDA (fp16/bf16, head dim 64/128); elsewhere the plain-PyTorch "
               "masked reference (same output, dense cost). Any (T, H, W) grid: 6x8x8-token tiles, edge tiles "
               "padded (padding never attended). Windows per step/layer/head from a FastVideo mask strategy JSON "
-              "(sliding_tile.write_uniform_strategy writes one); only sta_mode STA_inference."),
+              "(sliding_tile.write_uniform_strategy writes a uniform one; sta_mode STA_searching generates densely and "
+              "writes the smallest window per step/layer/head within 5% of dense); STA_tuning is not implemented."),
     factory="sglx.attention.diffusion.sparse.sliding_tile:SlidingTileAttentionBackend",
     config=(
         ConfigParam("mask_strategy_file_path", "str", "Path to the mask strategy JSON file.", required=True),

@@ -3,11 +3,11 @@
 The latent grid is cut into tiles (6x8x8 tokens, FastVideo's tile for Wan/Hunyuan-shaped latents); a query
 tile attends the wt x wh x ww key tiles around it, the window sliding inside the grid (its centre clamped
 half a window from the edges, as in FastVideo's STA). Windows come per (step, layer, head) from a mask
-strategy file in FastVideo's JSON format. Tokens are moved into tile order (each tile padded to whole kernel
-blocks, padding never attended), attended block-sparsely, and moved back. Joint text tokens attend and are
-attended by everything. The first `skip_time_steps` steps, cross-attention and calls outside a pipeline step
-run dense. On CUDA the Triton block-sparse kernel runs (fp16/bf16, head dim 64 or 128); elsewhere the
-plain-PyTorch masked reference, which gives the same output slowly.
+strategy file in FastVideo's JSON format; sta_mode STA_searching writes one (sta_search.py). Tokens are moved
+into tile order (each tile padded to whole kernel blocks, padding never attended), attended block-sparsely,
+and moved back. Joint text tokens attend and are attended by everything. The first `skip_time_steps` steps,
+cross-attention and calls outside a pipeline step run dense. The kernel route (FA4 block-sparse, the Triton
+kernel, or the plain-PyTorch masked reference off CUDA) is picked per call by routes.pick_route.
 """
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
 from sglx.attention.diffusion.sparse.routes import pick_route, run_block_sparse
+from sglx.attention.diffusion.sparse.sta_search import (
+    DEFAULT_CANDIDATES,
+    DEFAULT_TOLERANCE,
+    SearchRecord,
+    clamp_window,
+    head_errors,
+)
 from sglx.attention.diffusion.sparse.sta_strategy import (
     MaskStrategy,
     Window,
@@ -36,7 +43,7 @@ from sglx.errors import ConfigError, SglxError
 __all__ = ["SlidingTileAttentionBackend", "sta_layout", "sta_tile_mask", "uniform_strategy", "write_uniform_strategy"]
 
 DEFAULT_TILE: Grid = (6, 8, 8)
-MODES = ("STA_inference",)
+MODES = ("STA_inference", "STA_searching")
 
 
 def sta_tile_mask(tiles: Grid, windows: tuple[Window, ...]) -> torch.Tensor:
@@ -104,12 +111,18 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
                               "mask_strategy_file_path")
         mode = self.config.get("sta_mode", "STA_inference")
         if mode not in MODES:
-            raise ConfigError(f"sliding_tile_attn sta_mode {mode!r} is not supported; sglx runs {MODES[0]!r} "
-                              "(mask search modes STA_searching/STA_tuning are not implemented)", "sta_mode")
+            raise ConfigError(f"sliding_tile_attn sta_mode {mode!r} is not supported; choose STA_inference (windows "
+                              "from the file) or STA_searching (dense generation that writes the searched windows "
+                              "to the file); STA_tuning is not implemented", "sta_mode")
+        self.mode = mode
         self.skip_time_steps = int(self.config.get("skip_time_steps", 15))
         if self.skip_time_steps < 0:
             raise ConfigError(f"skip_time_steps must be >= 0; got {self.skip_time_steps}", "skip_time_steps")
-        self.strategy: MaskStrategy = load_strategy(path)
+        self.path = str(path)
+        self.search: SearchRecord | None = SearchRecord() if mode == "STA_searching" else None
+        self.candidates: tuple[Window, ...] = DEFAULT_CANDIDATES
+        self.tolerance = DEFAULT_TOLERANCE
+        self.strategy: MaskStrategy | None = None if self.search is not None else load_strategy(path)
         self.tile = tile or self.default_tile
         self.block = block
         self.route: str | None = None  # the kernel the last sparse call ran (routes.pick_route), and why
@@ -130,8 +143,27 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if q.shape[1] != meta.seq_len or k.shape[1] != meta.seq_len:
             raise SglxError(f"sliding_tile_attn: sequence of {q.shape[1]} tokens, but the step's grid {meta.grid} "
                             f"and {meta.text_tokens} text tokens make {meta.seq_len}")
+        if self.search is not None:
+            return self._search(q, k, v, meta, layer, scale)
+        assert self.strategy is not None
         windows = self.strategy.layer_windows(meta.step_index, layer, q.shape[2])
         return self.attend(q, k, v, meta, windows, scale=scale, where=f"layer {layer}")
+
+    def _search(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata, layer: int,
+                scale: float | None) -> torch.Tensor:
+        """STA_searching: return dense attention; record each candidate window's per-head error against it and
+        rewrite the strategy file (after the last layer of a step when the layer count is known)."""
+        assert self.search is not None
+        dense = self.forward_dense(q, k, v, scale=scale)
+        tiles = tile_order(meta.grid, self.tile, meta.text_tokens, meta.text_position != "suffix",
+                           self.block or _default_block(q)).tiles_per_dim
+        windows = list(dict.fromkeys(clamp_window(w, tiles) for w in self.candidates))
+        for i, window in enumerate(windows):
+            sparse = self.attend(q, k, v, meta, (window,) * q.shape[2], scale=scale, where=f"layer {layer}")
+            self.search.add(meta.step_index, layer, window, head_errors(sparse, dense), i == 0)
+        if meta.num_layers is None or layer == meta.num_layers - 1:
+            self.search.write(self.path, self.tolerance)
+        return dense
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
                windows: tuple[Window, ...], *, scale: float | None = None, where: str = "") -> torch.Tensor:
