@@ -466,3 +466,28 @@ def test_tiny_wan_end_to_end_switches_dense_and_sparse_per_step(tmp_path, monkey
             assert diff > 1e-4, (step, layer, diff)  # really sparse: differs from dense attention
         else:
             assert diff == 0.0, (step, layer, diff)
+
+
+@pytest.mark.parametrize(("name", "config", "needle"), [
+    ("video_sparse_attn", "sparsity=1.0", "video_sparse_attn sparsity must be in [0, 1)"),
+    ("vmoba_attn", "first_full_step=0,st_layer=1,temporal_layer=0,spatial_layer=0,st_chunk_size=[1,9,1]",
+     "st_chunk_size [1, 9, 1] does not fit the latent grid"),
+    ("sparse_video_gen_2_attn", '{"top_p_kmeans": 0}', "top_p_kmeans must be in (0, 1]"),
+])
+def test_bad_config_through_the_cli_is_one_line_exit_2(tmp_path, name, config, needle):
+    pytest.importorskip("diffusers")
+    from typer.testing import CliRunner
+
+    from diffusion_test_utils import make_tiny_wan
+    from sglx.cli.app import app
+
+    wan = make_tiny_wan(tmp_path / "wan", head_dim=16, heads=2, layers=1)
+    out = tmp_path / "never.png"
+    result = CliRunner().invoke(app, ["generate", "--model-path", str(wan), "-p", "x", "--height", "32", "--width",
+                                      "32", "--num-frames", "1", "--num-inference-steps", "1", "--attention-backend",
+                                      name, "--attention-backend-config", config, "--output", str(out)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], result.output
+    assert not out.exists()
