@@ -27,10 +27,12 @@ from sglx.platform import PACKAGES_BY_MODULE, fake
 
 MHA_NAMES = {"flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attention", "trtllm_mha",
              "dual_chunk_flash_attn", "aiter", "wave", "ascend", "intel_xpu", "intel_amx"}
-MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "triton", "fa4", "ascend"}
+# the seed's eight MLA backends, plus sglx's own torch_native MLA reference
+MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "triton", "fa4", "ascend", "torch_native"}
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
-IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("diffusion", "dit", "torch_sdpa"),
+IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mla", "torch_native"),
+               ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
                ("diffusion", "dit", "video_sparse_attn"), ("diffusion", "dit", "vmoba_attn"),
                ("diffusion", "dit", "sparse_video_gen_2_attn")}
@@ -85,7 +87,8 @@ def test_registering_a_clashing_name_is_refused() -> None:
 @pytest.mark.parametrize(("query", "family", "kind", "expected"), [
     ("fa3", "diffusion", "dit", "fa"), ("FA4", "diffusion", "dit", "fa"), (" fa ", "diffusion", "dit", "fa"),
     ("fa3", "llm", "mha", "fa3"), ("fa3", "llm", "mla", "fa3"), ("Torch_Native", "llm", "mha", "torch_native"),
-    ("torch_native", "llm", "mla", None), ("flashmla", "llm", "mha", None), ("torch_sdpa", "llm", "mha", None),
+    ("torch_native", "llm", "mla", "torch_native"), ("flash_mla", "llm", "mla", None),
+    ("flashmla", "llm", "mha", None), ("torch_sdpa", "llm", "mha", None),
     ("flashinfer", "diffusion", "dit", None), ("nope", "llm", "mha", None),
 ])
 def test_find(query: str, family: str, kind: str, expected: str | None) -> None:

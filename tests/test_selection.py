@@ -183,6 +183,12 @@ AUTO_MLA = [
     pytest.param("mi300", ALL, (), "triton", 1, {}, id="mi300-triton"),
     pytest.param("ascend", ALL, (), "ascend", 128, {}, id="ascend-ascend"),
     pytest.param("xpu", ALL, (), "triton", 1, {}, id="xpu-triton"),
+    pytest.param("cpu", ALL, (), "torch_native", 1, {}, id="cpu-torch_native"),
+    pytest.param("mps", ALL, (), "torch_native", 1, {}, id="mps-torch_native"),
+    pytest.param("a100", ALL, ("triton",), "torch_native", 1, {"triton": ("triton " + NOT_INSTALLED,)},
+                 id="a100-no-triton-torch_native"),
+    pytest.param("ascend", ALL, ("torch_npu",), "torch_native", 1, {"ascend": ("torch_npu " + NOT_INSTALLED,)},
+                 id="ascend-no-torch_npu-torch_native"),
 ]
 
 
@@ -196,13 +202,15 @@ def test_auto_mla(name, packages, without, chosen, page, lost) -> None:  # type:
 
 @pytest.mark.usefixtures("all_implemented")
 @pytest.mark.parametrize(("name", "packages", "needles"), [
-    pytest.param("mps", ALL, ("an MLA model", "MPS", "sglx has no MLA backend for MPS"), id="mps"),
-    pytest.param("cpu", ALL, ("an MLA model", "sglx has no MLA backend for CPU"), id="cpu"),
-    pytest.param("a100", (), ("triton: package triton " + NOT_INSTALLED,), id="a100-bare"),
+    pytest.param("mps", ALL, ("an MLA model", "MPS", "torch_native: fp4 KV cache"), id="mps"),
+    pytest.param("cpu", ALL, ("an MLA model", "CPU", "torch_native: fp4 KV cache"), id="cpu"),
+    pytest.param("a100", (), ("triton: package triton " + NOT_INSTALLED, "torch_native: fp4 KV cache"),
+                 id="a100-bare"),
     pytest.param("ascend", (), ("ascend: package torch_npu " + NOT_INSTALLED,), id="ascend-bare"),
 ])
 def test_auto_mla_nothing_runs(name, packages, needles) -> None:  # type: ignore[no-untyped-def]
-    msg = raises_unavailable(select_llm, machine(name, packages), MLA, LLMBackendArgs())
+    """torch_native runs MLA everywhere, but not an fp4 latent cache: then nothing runs, and each reason is said."""
+    msg = raises_unavailable(select_llm, machine(name, packages), MLA, LLMBackendArgs(kv_cache_dtype="fp4_e2m1"))
     for needle in needles:
         assert needle in msg
 
@@ -211,12 +219,12 @@ def test_auto_mla_nothing_runs(name, packages, needles) -> None:  # type: ignore
     ("h100_cu124", "mha", ["fa3", "flashinfer", "triton", "torch_native"]),
     ("b200", "mha", ["trtllm_mha", "flashinfer", "triton", "torch_native"]),
     ("rtx5090", "mha", ["flashinfer", "triton", "torch_native"]),
-    ("a100", "mla", ["triton"]),
-    ("b200", "mla", ["trtllm_mla", "triton"]),
+    ("a100", "mla", ["triton", "torch_native"]),
+    ("b200", "mla", ["trtllm_mla", "triton", "torch_native"]),
     ("mi300", "mha", ["aiter", "triton", "torch_native"]),
-    ("ascend", "mla", ["ascend"]),
+    ("ascend", "mla", ["ascend", "torch_native"]),
     ("mps", "mha", ["torch_native"]),
-    ("cpu", "mla", []),
+    ("cpu", "mla", ["torch_native"]),
 ])
 def test_auto_candidate_order(name: str, kind: str, order: list[str]) -> None:
     candidates = llm_auto_candidates(machine(name), kind)  # type: ignore[arg-type]
@@ -417,8 +425,8 @@ def test_explicit_with_broken_package_reports_import_error() -> None:
     pytest.param(MHA, "flashinfer_v2", ("--attention-backend flashinfer_v2: unknown attention backend",
                                        "Choose one of:", "flashinfer", "torch_native", "trtllm_mha"), id="unknown-mha"),
     pytest.param(MLA, "nsa", ("unknown attention backend", "flashmla", "cutlass_mla"), id="unknown-mla"),
-    pytest.param(MLA, "torch_native", ("torch_native has no MLA implementation", "an MLA model", "MLA backends:",
-                                      "trtllm_mla"), id="mha-only-name-for-mla"),
+    pytest.param(MLA, "flex_attention", ("flex_attention has no MLA implementation", "an MLA model",
+                                        "MLA backends:", "trtllm_mla"), id="mha-only-name-for-mla"),
     pytest.param(MLA, "trtllm_mha", ("trtllm_mha has no MLA implementation",), id="trtllm_mha-for-mla"),
     pytest.param(MHA, "flashmla", ("flashmla has no MHA implementation", "an MHA model", "MHA backends:"),
                  id="mla-only-name-for-mha"),
@@ -524,11 +532,13 @@ def test_real_registry_mha_picks_only_implemented(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", REAL_MACHINES)
-def test_real_registry_mla_has_no_backend_yet(name: str) -> None:
-    msg = raises_unavailable(select_llm, machine(name), MLA, LLMBackendArgs())
-    assert "no attention backend for an MLA model" in msg
-    if llm_auto_candidates(machine(name), "mla"):
-        assert NOT_IMPLEMENTED in msg
+def test_real_registry_mla_runs_torch_native(name: str) -> None:
+    """sglx implements only the torch_native MLA reference so far: auto lands there, saying why the others lost."""
+    sel = select_llm(machine(name), MLA, LLMBackendArgs())
+    assert (sel.decode, sel.page_size, sel.source) == ("torch_native", 1, "auto")
+    lost = passed_over(sel.considered)
+    assert set(lost) == {n for n, _ in llm_auto_candidates(machine(name), "mla")} - {"torch_native"}
+    assert all(NOT_IMPLEMENTED in reasons for reasons in lost.values())
 
 
 # machine (every package of its kind installed) -> (auto diffusion backend, the FlashAttention kernel that runs)
@@ -595,7 +605,7 @@ def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, b
     if traits is MHA:
         assert "Backends that would run here: triton, torch_native" in msg
     else:
-        assert "No MLA attention backend can run here" in msg
+        assert "Backends that would run here: torch_native" in msg
 
 
 def test_real_registry_cpu() -> None:

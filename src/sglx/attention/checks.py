@@ -177,7 +177,11 @@ def run_check(spec: BackendSpec, snap: PlatformSnapshot) -> CheckResult:
     try:
         # Twice: the first run pays for kernel compilation (Triton JIT), the second is what gets timed.
         for _ in range(2):
-            if spec.family == "llm":
+            if spec.family == "llm" and spec.kind == "mla":
+                from sglx.attention.mla_checks import mla_problem
+
+                err, ms, shape = mla_problem(spec, snap, device, dtype)
+            elif spec.family == "llm":
                 err, ms, shape = _llm_problem(spec, snap, device, dtype)
             else:
                 err, ms, shape = _diffusion_problem(spec, device, dtype)

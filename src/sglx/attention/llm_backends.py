@@ -193,6 +193,18 @@ register(BackendSpec(
 ))
 
 register(BackendSpec(
+    name="torch_native", family="llm", kind="mla", title="Torch Native MLA (SDPA)",
+    summary="PyTorch SDPA over the paged latent cache: expanded K/V for prefill, absorbed weights for decode.",
+    requires=(),
+    features=LLMFeatures(native_paging=False, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         chunked_prefix_cache=False, cuda_graph=False),
+    factory="sglx.attention.llm.torch_native_mla:TorchNativeMLABackend",
+    notes="Reference MLA backend: one latent (kv_lora_rank + qk_rope_head_dim) per token and layer; extend "
+          "expands prefix + new latents per head, decode folds W_UK into q and applies W_UV after; any page "
+          "size, fp8 latents, every device; not tuned for speed, no CUDA graphs.",
+))
+
+register(BackendSpec(
     name="ascend", family="llm", kind="mla", title="Ascend MLA (NPU)",
     summary="Huawei Ascend NPU MLA via torch_npu.",
     requires=(OnPlatform(("npu",)), Package(("torch_npu",))),

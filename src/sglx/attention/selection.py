@@ -146,23 +146,25 @@ def llm_auto_candidates(snap: PlatformSnapshot, kind: Kind) -> tuple[tuple[str, 
             out.append(("torch_native", "torch_native runs everywhere"))
         else:
             out.append(("triton", "MLA falls back to triton"))
+            out.append(("torch_native", "torch_native (MLA reference) runs everywhere"))
     elif snap.device_kind == "rocm":
         if kind == "mha":
             out += [("aiter", "ROCm defaults to aiter"), ("triton", "triton runs on ROCm"),
                     ("torch_native", "torch_native runs everywhere")]
         else:
             out.append(("triton", "MLA on ROCm uses triton"))
+            out.append(("torch_native", "torch_native (MLA reference) runs everywhere"))
     elif snap.device_kind == "npu":
         out.append(("ascend", "Ascend NPUs default to ascend"))
-        if kind == "mha":
-            out.append(("torch_native", "torch_native runs everywhere"))
+        out.append(("torch_native", "torch_native runs everywhere"))
     elif snap.device_kind == "xpu":
         if kind == "mha":
             out += [("intel_xpu", "Intel XPU defaults to intel_xpu"), ("triton", "triton runs on XPU"),
                     ("torch_native", "torch_native runs everywhere")]
         else:
             out.append(("triton", "MLA on XPU uses triton"))
-    elif kind == "mha":
+            out.append(("torch_native", "torch_native (MLA reference) runs everywhere"))
+    else:
         out.append(("torch_native", f"{device_name(snap.device_kind)} defaults to torch_native"))
     return tuple(out)
 

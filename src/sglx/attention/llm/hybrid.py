@@ -7,6 +7,8 @@ metadata is built only by the backend that runs it. This is what `--prefill-atte
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
@@ -37,6 +39,11 @@ class HybridAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         return self._for(batch).forward(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_mla(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """MLA models: the phase's MLA backend attends over the shared latent pool."""
+        batch: ForwardBatch = kwargs["batch"] if "batch" in kwargs else args[6]
+        return self._for(batch).forward_mla(*args, **kwargs)  # type: ignore[attr-defined]
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""`doctor --check` for MLA backends: extend over cached prefixes, then decode, on scattered latent pages.
+
+Judged against the float64 expanded-latent reference, so an absorbed decode and an expanded prefill are
+held to the same math.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sglx.attention.registry import BackendSpec
+from sglx.platform import PlatformSnapshot
+
+H, DN, DR, DV, R = 8, 32, 16, 32, 64
+
+
+def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device, dtype: torch.dtype
+                ) -> tuple[float, float, str]:
+    """(max abs error vs float64, ms, shape) for one ragged batch: an EXTEND step then a DECODE step."""
+    from sglx.attention.llm.base import BackendContext
+    from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
+    from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+    from sglx.llm.kv_cache import ReqToTokenPool
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+    gen = torch.Generator().manual_seed(0)
+    rule = spec.page_size_rule(snap)
+    page = rule.sizes[0] if rule else 4
+    prefix_lens, extend_lens = [0, 13, 37], [21, 6, 1]
+    total = [p + e + 1 for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = (sum(-(-t // page) for t in total) + 3) * page
+    r2t = ReqToTokenPool(4, max(total) + page, device)
+    pool = MLATokenKVPool(num_slots, page, 1, R, DR, dtype, device=device)
+    page_ids = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
+    rows, latents = [], []
+    for t in total:
+        row = r2t.alloc()
+        assert row is not None
+        mine = [page_ids.pop() for _ in range(-(-t // page))]
+        r2t.req_to_token[row, :t] = torch.tensor([p * page + j for p in mine for j in range(page)][:t],
+                                                 dtype=torch.int32, device=device)
+        rows.append(row)
+        latents.append(torch.randn(t, R + DR, generator=gen).to(device, dtype))
+    for row, p, lat in zip(rows, prefix_lens, latents):
+        if p:
+            pool.set_latent(0, r2t.req_to_token[row, :p].long(), lat[:p, :R], lat[:p, R:])
+    layer = MLALayerSpec(0, H, DN, DR, DV, R, 0.9 * (DN + DR) ** -0.5)
+    proj = MLAProjections.from_kv_b_proj((torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5).to(device, dtype),
+                                         layer)
+    ctx = BackendContext(device, dtype, H, 1, R + DR, page, r2t, pool)  # type: ignore[arg-type]
+    backend = spec.load()(ctx)
+    worst, elapsed = 0.0, 0.0
+    lo, hi = prefix_lens, [p + e for p, e in zip(prefix_lens, extend_lens)]
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        n_new = [b - a for a, b in zip(lo, hi)]
+        q_nope = torch.randn(sum(n_new), H, DN, generator=gen).to(device, dtype)
+        q_pe = torch.randn(sum(n_new), H, DR, generator=gen).to(device, dtype)
+        new = torch.cat([lat[a:b] for lat, a, b in zip(latents, lo, hi)])
+        batch = ForwardBatch(
+            mode=mode, input_ids=torch.zeros(sum(n_new), dtype=torch.long, device=device),
+            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]).to(device),
+            req_pool_indices=torch.tensor(rows, device=device), seq_lens=torch.tensor(hi, device=device),
+            out_cache_loc=torch.cat([r2t.req_to_token[r, a:b].long() for r, a, b in zip(rows, lo, hi)]),
+            req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend,  # type: ignore[arg-type]
+            seq_lens_cpu=list(hi), extend_seq_lens_cpu=n_new if mode.is_extend else [],
+            extend_prefix_lens_cpu=list(lo) if mode.is_extend else [],
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        backend.init_forward_metadata(batch)
+        out = backend.forward_mla(q_nope, q_pe, new[:, :R], new[:, R:], layer, proj, batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed += time.perf_counter() - start
+        offset = 0
+        for lat, a, b in zip(latents, lo, hi):
+            ref = reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], lat[:b], proj.w_uk,
+                                proj.w_uv, torch.arange(a, b), layer.scaling)
+            worst = max(worst, (out[offset:offset + b - a].double() - ref).abs().max().item())
+            offset += b - a
+        lo, hi = hi, [b + 1 for b in hi]
+    shape = (f"MLA bs=3 H={H} latent {R}+{DR} nope {DN} v {DV} page={page} prefix={prefix_lens} "
+             f"extend={extend_lens} +1 decode")
+    return worst, elapsed * 1e3, shape
