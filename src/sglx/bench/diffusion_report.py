@@ -17,19 +17,15 @@ TARGETS = {"fa x cuDNN (attention, at least)": 1.15, "sglx / diffusers step time
 
 
 def _versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for module in ("triton", "diffusers", "sageattention", "flash_attn.cute"):
-        try:
-            mod = __import__(module, fromlist=["__version__"])
-            out[module] = str(getattr(mod, "__version__", "unknown"))
-        except Exception:  # absent or broken: recorded as None
-            out[module] = None
-    try:
-        from importlib.metadata import version
+    """Installed versions of the packages the run depends on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        out["flash-attn-4"] = version("flash-attn-4")
-    except Exception:
-        out["flash-attn-4"] = None
+    out: dict[str, str | None] = {}
+    for dist in ("triton", "diffusers", "sageattention", "flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
     return out
 
 
