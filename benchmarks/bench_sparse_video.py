@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
-from sglx.attention.diffusion.sparse.fa4_route import fa4_modules, fa4_supports
+from sglx.attention.diffusion.sparse.fa4_route import PADDED_ENV, fa4_modules, fa4_supports
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend, _cached_layout
@@ -49,13 +49,21 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench(fn, device: torch.device) -> float:
+    """Median ms; at least ~150 ms of repeats and at least 8 of them (slow dense baselines)."""
     if device.type != "cuda":
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - start) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=max(25, int(2 * est)), rep=max(150, int(8 * est)),
+                                         return_mode="median"))
 
 
 def dense_runs(q, k, v, scale, device) -> dict:
@@ -187,16 +195,20 @@ def main() -> None:
         import importlib.metadata as md
         with contextlib.suppress(md.PackageNotFoundError):
             info["flash_attn_4"] = md.version("flash-attn-4")
-    configs = [] if args.no_sweep else [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-                                        (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 4, 4)]
+    os.environ[PADDED_ENV] = "1"  # measure FA4's mask_mod path on padded layouts too (checked vs float64 here)
+    configs = [] if args.no_sweep else [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 128, 4, 3),
+                                        (128, 128, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3)]
     if args.tiny:
         plan = [("tiny odd", (5, 7, 9), (3, 3, 3), 2, 64, (2, 2, 2), 16, 64, True, [])]
     else:
         plan = [
-            ("wan1.3b-480p 3x3x3 (padded tiles)", (21, 30, 52), (3, 3, 3), 12, 128, (6, 8, 8), 128, 256, True, []),
+            ("wan1.3b-480p 3x3x3 (padded tiles)", (21, 30, 52), (3, 3, 3), 12, 128, (6, 8, 8), 128, 256, True,
+             configs),
             ("wan 18x48x80 3x3x3 (85%)", (18, 48, 80), (3, 3, 3), 12, 128, (6, 8, 8), 128, 256, True, configs),
             ("wan 18x48x80 3x3x5 (75%)", (18, 48, 80), (3, 3, 5), 12, 128, (6, 8, 8), 128, 256, True, []),
             ("wan 18x48x80 3x3x3 D64 24 heads", (18, 48, 80), (3, 3, 3), 24, 64, (6, 8, 8), 128, 128, True, []),
+            ("hunyuan 30x48x80 3x3x3 (91%)", (30, 48, 80), (3, 3, 3), 12, 128, (6, 8, 8), 128, 128, True, []),
+            ("wan1.3b-480p 3x3x5 (padded tiles)", (21, 30, 52), (3, 3, 5), 12, 128, (6, 8, 8), 128, 128, True, []),
         ]
     results = {"info": info, "cases": []}
     for name, grid, window, heads, dim, tile, block, rows_n, time_it, cfgs in plan:
