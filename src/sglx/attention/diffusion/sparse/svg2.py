@@ -11,12 +11,14 @@ block-sparse on the permuted sequence and the output is permuted back. The first
 steps and `first_layers_fp` of the layers (fractions, rounded down as Sparse-VideoGen does) run dense;
 `zero_step_kmeans_init` also clusters during those dense steps so the first sparse step starts warm.
 
-Variable cluster sizes on a block-level layout (the documented approximation): the permuted sequence is cut
-into fixed blocks (16 tokens on CPU, 64 on CUDA) that may hold the tail of one cluster and the head of the
-next. A query block attends a key block when any query cluster in it keeps any key cluster in it, so every
-pair Sparse-VideoGen attends is attended, plus the neighbours that share its blocks: density is at least
-SVG2's, equal when clusters fill whole blocks. Joint text tokens sit after the latent tokens in the permuted
-sequence, attend everything and are attended by every query. Calls without step metadata run dense.
+Variable cluster sizes on a block-level layout (the documented approximation, on the key side only): in the
+permuted query sequence every query cluster is padded to whole blocks (16 tokens on CPU, 64 on CUDA; padded
+rows are computed and dropped), so a query block holds one cluster and its row is exactly that cluster's
+choice. Keys are sorted by cluster without padding, so a key block may hold the tail of one cluster and the
+head of the next: it is attended when any of its clusters is kept. Every pair Sparse-VideoGen attends is
+attended, plus the keys that share a block with one; density is at least SVG2's (`SVG2Plan.cluster_density`
+is SVG2's own). Joint text tokens follow the latent tokens in blocks of their own, attend everything and are
+attended by every query. Calls without step metadata run dense.
 """
 
 from __future__ import annotations
@@ -94,35 +96,82 @@ def dynamic_map(q_centroids: torch.Tensor, k_centroids: torch.Tensor, k_sizes: t
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def _membership(labels: torch.Tensor, clusters: int, block: int, seq_len: int) -> torch.Tensor:
-    """bool [P, num_blocks, clusters]: which clusters appear in each block of a sorted label row [P, S]."""
-    nb = cdiv(seq_len, block)
-    padded = F.pad(labels, (0, nb * block - seq_len), value=clusters)  # past the end: a dropped extra column
-    member = torch.zeros(labels.shape[0], nb, clusters + 1, dtype=torch.bool, device=labels.device)
-    member.scatter_(-1, padded.view(labels.shape[0], nb, block), True)
+def _membership(labels: torch.Tensor, clusters: int, block: int) -> torch.Tensor:
+    """bool [P, L / block, clusters]: which clusters appear in each block of a label row [P, L] (labels outside
+    [0, clusters) are ignored)."""
+    p, length = labels.shape
+    safe = torch.where((labels >= 0) & (labels < clusters), labels, clusters)
+    member = torch.zeros(p, length // block, clusters + 1, dtype=torch.bool, device=labels.device)
+    member.scatter_(-1, safe.view(p, length // block, block), True)
     return member[..., :clusters]
 
 
 @dataclass(frozen=True)
 class SVG2Plan:
-    """One layer's permutation and layout: q_index [B, S, Hq] / k_index [B, S, Hkv] are the source position of
-    every permuted slot (latent tokens by cluster, then text)."""
+    """One layer's permutations and layout over a permuted sequence of `layout.seq_len` slots.
+
+    Queries: each query cluster padded to whole blocks, then the text queries (padded too); `q_index`
+    [B, L, Hq] is the source token of every slot (padding repeats token 0, its output is dropped) and `q_slot`
+    [B, S, Hq] the slot of every token. Keys/values: sorted by key cluster, then text, no padding between,
+    junk tail slots up to L cut off by `layout.k_lengths`; `k_index` [B, L, Hkv], `k_slot` [B, S, Hkv]."""
 
     q_index: torch.Tensor
+    q_slot: torch.Tensor
     k_index: torch.Tensor
+    k_slot: torch.Tensor
     layout: BlockSparseLayout
     cluster_map: torch.Tensor  # bool [B, Hq, Cq, Ck]
+    q_sizes: torch.Tensor  # int64 [B, Hq, Cq]
+    k_sizes: torch.Tensor  # int64 [B, Hq, Ck]
+
+    def cluster_density(self) -> float:
+        """Share of (latent query, latent key) pairs Sparse-VideoGen itself would attend (its density)."""
+        kept = torch.einsum("bhq,bhqk,bhk->bh", self.q_sizes.double(), self.cluster_map.double(),
+                            self.k_sizes.double())
+        n = float(self.q_sizes[0, 0].sum())
+        return float(kept.mean()) / (n * n)
 
 
-def _permutation(labels: torch.Tensor, meta: DiTAttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [P, N] of the latent tokens -> (source position of every slot [P, S], sorted labels with text
-    slots labelled -1 [P, S])."""
+def _sorted_slots(labels: torch.Tensor, clusters: int, text: int, block: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latent tokens sorted by label (stable), then the text tokens. With `block`, every cluster and the text
+    start on a block boundary (padded queries); without, they follow each other (keys).
+
+    Returns (slot of every token [P, N + text], slot count per row [P], slot label [P, max slots] (-1 padding,
+    `clusters` for text), cluster sizes [P, C])."""
     p, n = labels.shape
-    sorted_labels, order = labels.sort(dim=-1, stable=True)
-    text = torch.arange(meta.text_tokens, device=labels.device) + meta.text_start
-    index = torch.cat([order + meta.image_start, text.expand(p, -1)], dim=1)
-    slot_labels = torch.cat([sorted_labels, sorted_labels.new_full((p, meta.text_tokens), -1)], dim=1)
-    return index, slot_labels
+    sizes = torch.zeros(p, clusters, dtype=torch.long, device=labels.device)
+    sizes.scatter_add_(1, labels, torch.ones_like(labels))
+    spans = sizes if block is None else (sizes + block - 1) // block * block
+    starts = torch.cumsum(spans, 1) - spans  # [P, C]
+    order = torch.argsort(labels, dim=-1, stable=True)
+    sorted_labels = labels.gather(1, order)
+    first = torch.cumsum(sizes, 1) - sizes  # index of each cluster's first token in sorted order
+    rank = torch.arange(n, device=labels.device) - first.gather(1, sorted_labels)
+    slot = torch.empty_like(labels)
+    slot.scatter_(1, order, starts.gather(1, sorted_labels) + rank)
+    video_slots = spans.sum(1)  # [P]
+    text_slots = torch.arange(text, device=labels.device) + video_slots[:, None]
+    total = video_slots + (text if block is None else cdiv(text, block) * block)
+    slots = torch.cat([slot, text_slots], 1)
+    width = int(total.max())
+    slot_labels = labels.new_full((p, width), -1)
+    slot_labels.scatter_(1, slots, torch.cat([labels, labels.new_full((p, text), clusters)], 1))
+    return slots, total, slot_labels, sizes
+
+
+def _to_input_order(slots: torch.Tensor, meta: DiTAttnMetadata) -> torch.Tensor:
+    """Slots of [latent..., text...] rows -> slots in the sequence's input order (text before or after)."""
+    n = meta.image_tokens
+    if meta.text_position == "prefix":
+        return torch.cat([slots[:, n:], slots[:, :n]], 1)
+    return slots
+
+
+def _index_of(slot: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of a slot map [P, S] -> source token of every one of `length` slots (unused slots: token 0)."""
+    index = torch.zeros(slot.shape[0], length, dtype=torch.long, device=slot.device)
+    return index.scatter_(1, slot, torch.arange(slot.shape[1], device=slot.device).expand_as(slot))
 
 
 def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch.Tensor, meta: DiTAttnMetadata,
@@ -131,28 +180,42 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
     b, hq, n = q_labels.shape
     hkv = k_labels.shape[1]
     cq, ck = cluster_map.shape[-2:]
-    s = meta.seq_len
-    q_index, q_slots = _permutation(q_labels.reshape(b * hq, n), meta)
-    k_index, k_slots = _permutation(k_labels.reshape(b * hkv, n), meta)
-    # text is one more cluster on each side, kept by everyone and keeping everything
-    q_member = _membership(q_slots.where(q_slots >= 0, cq), cq + 1, block, s).view(b, hq, -1, cq + 1)
-    k_member = _membership(k_slots.where(k_slots >= 0, ck), ck + 1, block, s).view(b, hkv, -1, ck + 1)
-    k_member = k_member.repeat_interleave(hq // hkv, dim=1)
-    full = F.pad(cluster_map, (0, 1, 0, 1), value=True)
-    reach = torch.matmul(q_member.float(), full.float())  # [B, H, nq, Ck+1]: key clusters some query keeps
-    blocks = torch.matmul(reach, k_member.float().transpose(-1, -2)) > 0
-    layout = BlockSparseLayout.from_block_mask(blocks, block, block, s)
-    return SVG2Plan(q_index.view(b, hq, s).transpose(1, 2), k_index.view(b, hkv, s).transpose(1, 2), layout,
-                    cluster_map)
+    text = meta.text_tokens
+    q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(q_labels.reshape(b * hq, n), cq, text, block)
+    k_slots, _, k_labels_at, k_sizes = _sorted_slots(k_labels.reshape(b * hkv, n), ck, text, None)
+    length = max(int(q_total.max()), meta.seq_len)  # a multiple of block: every q span is
+    q_labels_at = F.pad(q_labels_at, (0, length - q_labels_at.shape[1]), value=-1)
+    k_labels_at = F.pad(k_labels_at, (0, length - k_labels_at.shape[1]), value=-1)
+    # query block -> its one cluster (text: cq, padding: cq + 1, a row that keeps nothing)
+    block_cluster = q_labels_at.view(b * hq, -1, block).amax(-1)
+    block_cluster = torch.where(block_cluster < 0, cq + 1, block_cluster).view(b, hq, -1)
+    full = F.pad(cluster_map, (0, 1, 0, 1), value=True)  # text row and column: kept by and keeping everything
+    full = F.pad(full, (0, 0, 0, 1), value=False)  # padding row
+    rows = full.gather(2, block_cluster[..., None].expand(-1, -1, -1, ck + 1))  # [B, Hq, nq, Ck + 1]
+    k_member = _membership(k_labels_at, ck + 1, block).view(b, hkv, -1, ck + 1).repeat_interleave(hq // hkv, 1)
+    blocks = torch.matmul(rows.float(), k_member.float().transpose(-1, -2)) > 0
+    real = (meta.seq_len - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
+    k_lengths = None if length == meta.seq_len else real.to(torch.int32)
+    layout = BlockSparseLayout.from_block_mask(blocks, block, block, length, k_lengths)
+    q_slot = _to_input_order(q_slots, meta)
+    k_slot = _to_input_order(k_slots, meta)
+    return SVG2Plan(
+        q_index=_index_of(q_slot, length).view(b, hq, length).transpose(1, 2),
+        q_slot=q_slot.view(b, hq, -1).transpose(1, 2),
+        k_index=_index_of(k_slot, length).view(b, hkv, length).transpose(1, 2),
+        k_slot=k_slot.view(b, hkv, -1).transpose(1, 2),
+        layout=layout, cluster_map=cluster_map, q_sizes=q_sizes.view(b, hq, cq),
+        k_sizes=k_sizes.view(b, hkv, ck).repeat_interleave(hq // hkv, 1))
 
 
 def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] -> x at `index` [B, S, H] per head."""
-    return x.gather(1, index[..., None].expand_as(x))
+    """x [B, S, H, D] -> [B, L, H, D]: slot i of head h holds x[:, index[:, i, h], h]."""
+    return x.gather(1, index[..., None].expand(*index.shape, x.shape[-1]))
 
 
-def unpermute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x).scatter_(1, index[..., None].expand_as(x), x)
+def unpermute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, D] in slot order -> [B, S, H, D] in input order (`slot` [B, S, H])."""
+    return x.gather(1, slot[..., None].expand(*slot.shape, x.shape[-1]))
 
 
 @dataclass
@@ -227,7 +290,7 @@ class SparseVideoGen2Backend(DiffusionAttentionBackend):
         self.last_plan = plan
         out = run_block_sparse(permute(q, plan.q_index), permute(k, plan.k_index), permute(v, plan.k_index),
                                plan.layout, scale)
-        return unpermute(out, plan.q_index)
+        return unpermute(out, plan.q_slot)
 
     def cluster(self, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, layer: int
                 ) -> tuple[KMeansResult, KMeansResult]:

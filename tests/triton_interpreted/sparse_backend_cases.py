@@ -1,0 +1,65 @@
+"""Interpreted cases (TRITON_INTERPRET=1): VSA, VMoBA and SVG2 through the Triton block-sparse kernel (route forced
+to triton on CPU) against float64 masked attention under the same plan: their layouts (cube blocks of 64, chunk
+blocks with padded keys, per-head cluster permutations) are ones the kernel takes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_sparse_backends.py"
+os.environ["SGLX_BLOCK_SPARSE_ROUTE"] = "triton"
+
+from sglx.attention.diffusion.metadata import DiTAttnMetadata  # noqa: E402
+from sglx.attention.diffusion.sparse.reference import masked_attention  # noqa: E402
+from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend, permute, unpermute  # noqa: E402
+from sglx.attention.diffusion.sparse.tiled import from_order, to_order  # noqa: E402
+from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend, vsa_plan  # noqa: E402
+from sglx.attention.diffusion.sparse.vmoba import VMoBABackend, vmoba_plan  # noqa: E402
+
+META = DiTAttnMetadata(grid=(3, 5, 6), num_heads=4, head_dim=64, text_tokens=7, text_position="prefix",
+                       step_index=1, num_steps=2, num_layers=2)
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, META.seq_len, h, 64, generator=g) for h in (4, 2, 2))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want).abs().max().item()
+    assert err <= 1e-4 * max(1.0, want.abs().max().item()), err
+
+
+def test_vsa_through_the_kernel():
+    q, k, v = _qkv()
+    got = VideoSparseAttentionBackend({"sparsity": 0.5}).forward(q, k, v, scale=0.2, meta=META, layer=0)
+    plan = vsa_plan(q, k, META, 0.5, 0.2)
+    qs, ks, vs = (to_order(t.double(), plan.order) for t in (q, k, v))
+    _close(got, from_order(masked_attention(qs, ks, vs, plan.layout, 0.2), plan.order))
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_vmoba_through_the_kernel(layer):
+    q, k, v = _qkv()
+    backend = VMoBABackend({"first_full_step": 0, "temporal_chunk_size": 1, "spatial_chunk_size": [2, 3],
+                            "st_chunk_size": [2, 2, 3], "moba_threshold": 0.4})
+    got = backend.forward(q, k, v, scale=0.2, meta=META, layer=layer)
+    plan = vmoba_plan(q, k, META, backend.vmoba, backend.layer_kind(META, layer))  # type: ignore[arg-type]
+    assert plan.layout.k_lengths is not None  # chunks padded to whole blocks
+    qs, ks, vs = (to_order(t.double(), plan.order) for t in (q, k, v))
+    _close(got, from_order(masked_attention(qs, ks, vs, plan.layout, 0.2), plan.order))
+
+
+def test_svg2_through_the_kernel():
+    q, k, v = _qkv()
+    backend = SparseVideoGen2Backend({"num_q_centroids": 5, "num_k_centroids": 9, "top_p_kmeans": 0.5,
+                                      "min_kc_ratio": 0.0, "first_times_fp": 0.0, "first_layers_fp": 0.0})
+    got = backend.forward(q, k, v, scale=0.2, meta=META, layer=0)
+    plan = backend.last_plan
+    assert plan is not None
+    out = masked_attention(permute(q.double(), plan.q_index), permute(k.double(), plan.k_index),
+                           permute(v.double(), plan.k_index), plan.layout, 0.2)
+    _close(got, unpermute(out, plan.q_slot))
