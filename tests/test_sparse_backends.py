@@ -529,7 +529,15 @@ def test_gpu_bf16_matches_float64_under_the_same_plan(name, dim):
     meta = DiTAttnMetadata(grid=(7, 15, 26), num_heads=4, head_dim=dim, text_tokens=77, text_position="prefix",
                            step_index=3, num_steps=4, num_layers=3)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, meta.seq_len, h, dim, generator=gen).to("cuda", torch.bfloat16) for h in (4, 2, 2))
+
+    def clustered(heads):  # tokens around 40 centres per head: structure SVG2's clusters can find
+        centres = torch.randn(heads, 40, dim, generator=gen) * 2
+        which = torch.randint(0, 40, (2, meta.seq_len, heads), generator=gen)
+        noise = torch.randn(2, meta.seq_len, heads, dim, generator=gen)
+        return (centres[torch.arange(heads), which] + noise).to("cuda", torch.bfloat16)
+
+    q, k = clustered(4), clustered(2)
+    v = torch.randn(2, meta.seq_len, 2, dim, generator=gen).to("cuda", torch.bfloat16)
     scale = dim ** -0.5
     if name == "video_sparse_attn":
         got = VideoSparseAttentionBackend({"sparsity": 0.75}).forward(q, k, v, scale=scale, meta=meta, layer=2)
