@@ -7,6 +7,7 @@ loader reads exactly what a user's checkpoint directory holds.
 
 from __future__ import annotations
 
+import copy
 import random
 from functools import lru_cache
 from pathlib import Path
@@ -71,11 +72,29 @@ def save_tiny_tokenizer(model_dir: Path, chat_template: str | None = CHAT_TEMPLA
     return hf_tok
 
 
+# DeepSeek-shaped tiny MLA models: 1 dense + 2 MoE layers, 8 routed experts (top 2), latent 32 + rope 8.
+_DEEPSEEK_TINY: dict[str, Any] = dict(
+    num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    head_dim=8, v_head_dim=16, max_position_embeddings=128, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, first_k_dense_replace=1,
+)
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
+    # DeepSeek-V2-Lite's shape: no q LoRA, greedy softmax routing, 2 shared experts, YaRN (mscale 0.707)
+    "deepseek_v2": ("DeepseekV2Config", {
+        **_DEEPSEEK_TINY, "q_lora_rank": None, "n_shared_experts": 2, "topk_method": "greedy",
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    # DeepSeek-V3's shape: q LoRA, sigmoid noaux_tc routing over 4 groups (top 2), bias, scaled and renormalized
+    "deepseek_v3": ("DeepseekV3Config", {
+        **_DEEPSEEK_TINY, "q_lora_rank": 24, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
 }
 
 
@@ -91,7 +110,7 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any) -> Any:
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS), pad_token_id=tok.token_to_id(PAD),
     )
-    params.update(arch_defaults)
+    params.update(copy.deepcopy(arch_defaults))  # transformers edits nested dicts (rope) in place
     params.update(overrides)
     return getattr(transformers, class_name)(**params)
 
@@ -107,6 +126,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(std * noise)
+        for name, buf in sorted(model.named_buffers()):  # DeepSeek-V3's router bias is a buffer in transformers
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
 
 
 def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
@@ -169,7 +191,9 @@ class PagedKVHarness:
                  max_context: int = 256, kv_cache_dtype: str = "auto", seed: int = 0) -> None:
         from sglx.attention.llm.base import BackendContext
         from sglx.attention.llm.torch_native import TorchNativeBackend
+        from sglx.attention.llm.torch_native_mla import TorchNativeMLABackend
         from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+        from sglx.llm.mla_kv_cache import MLATokenKVPool
 
         cfg = model.config
         param = next(model.parameters())
@@ -178,12 +202,17 @@ class PagedKVHarness:
         self.page_size = page_size
         num_pages = max_requests * (-(-max_context // page_size))
         self.req_pool = ReqToTokenPool(max_requests, max_context, self.device)
-        self.kv_pool = TokenKVPool(num_pages * page_size, page_size, cfg.num_layers, cfg.num_kv_heads,
-                                   cfg.head_dim, self.dtype, kv_cache_dtype, self.device)
+        if cfg.mla is not None:  # MLA models: one latent per token and layer, the MLA reference backend
+            self.kv_pool = MLATokenKVPool(num_pages * page_size, page_size, cfg.num_layers, cfg.mla.kv_lora_rank,
+                                          cfg.mla.qk_rope_head_dim, self.dtype, kv_cache_dtype, self.device)
+        else:
+            self.kv_pool = TokenKVPool(num_pages * page_size, page_size, cfg.num_layers, cfg.num_kv_heads,
+                                       cfg.head_dim, self.dtype, kv_cache_dtype, self.device)
         ctx = BackendContext(device=self.device, dtype=self.dtype, num_q_heads=cfg.num_heads,
-                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-                             req_to_token_pool=self.req_pool, token_kv_pool=self.kv_pool)
-        self.backend = TorchNativeBackend(ctx)
+                             num_kv_heads=self.kv_pool.num_kv_heads, head_dim=self.kv_pool.head_dim,
+                             page_size=page_size, req_to_token_pool=self.req_pool,
+                             token_kv_pool=self.kv_pool)  # type: ignore[arg-type]
+        self.backend = TorchNativeMLABackend(ctx) if cfg.mla is not None else TorchNativeBackend(ctx)
         self.free_pages = list(range(1, num_pages + 1))  # page 0 is the padding page
         random.Random(seed).shuffle(self.free_pages)
         self.seq_lens: dict[int, int] = {}

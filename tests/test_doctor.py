@@ -37,7 +37,8 @@ def test_doctor_json_cli_runner() -> None:
     assert _row(dit, "fa")["usable"] is False
     assert mha["auto"]["backend"] == "torch_native"
     assert dit["auto"]["backend"] == "torch_sdpa"
-    assert _section(report, "mla")["auto"]["backend"] is None
+    mla = _section(report, "mla")
+    assert mla["auto"]["backend"] == "torch_native" and _row(mla, "torch_native")["usable"] is True
 
 
 def test_doctor_family_filter() -> None:

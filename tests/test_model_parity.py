@@ -260,6 +260,9 @@ EXPECTED_SHIPPED = {
                        sliding_window=None, intermediate_size=18944),
     "qwen3-8b": dict(architecture="Qwen3ForCausalLM", num_layers=36, head_dim=128, qk_norm=True, qkv_bias=False),
     "mistral-7b": dict(architecture="MistralForCausalLM", num_layers=32, sliding_window=4096, num_kv_heads=8),
+    # MLA models: their shapes are checked in test_deepseek.py
+    "deepseek-v2-lite": dict(architecture="DeepseekV2ForCausalLM", num_layers=27),
+    "deepseek-v3": dict(architecture="DeepseekV3ForCausalLM", num_layers=61),
 }
 
 

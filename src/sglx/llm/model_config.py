@@ -14,6 +14,7 @@ from typing import Any
 
 from sglx.attention.selection import ModelTraits
 from sglx.errors import SglxError
+from sglx.llm.deepseek_config import MLAConfig, MoEConfig, parse_deepseek
 
 SHIPPED_CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -23,6 +24,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 _DTYPE_NAMES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -57,6 +60,8 @@ class ModelConfig:
     # per-layer window (None = full attention); empty means every layer uses `sliding_window`
     layer_sliding_windows: tuple[int | None, ...] = ()
     source: str = ""  # the directory or shipped name this config came from
+    mla: MLAConfig | None = None  # DeepSeek-V2/V3: latent attention (then head_dim = qk_nope + qk_rope)
+    moe: MoEConfig | None = None  # DeepSeek-V2/V3: routed + shared experts
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -78,8 +83,13 @@ class ModelConfig:
 
     def attention_traits(self, dtype: str) -> ModelTraits:
         """What backend selection needs to know about this model running in `dtype`."""
-        return ModelTraits(mla=False, head_dim=self.head_dim, dtype=dtype,
+        return ModelTraits(mla=self.mla is not None, head_dim=self.head_dim, dtype=dtype,
                            sliding_window=self.uses_sliding_window)
+
+    @property
+    def attention_kind(self) -> str:
+        """"mla" for latent-attention models (their backends and KV pool differ), else "mha"."""
+        return "mla" if self.mla is not None else "mha"
 
     def num_parameters(self) -> int:
         """Parameter count (for memory planning and progress messages)."""
@@ -148,6 +158,10 @@ def parse_model_config(raw: dict[str, Any], source: str = "",
         raise SglxError(f"{source or 'config.json'}: missing required field {exc.args[0]!r}") from exc
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    mla, moe = None, None
+    if family.startswith("deepseek"):
+        mla, moe = parse_deepseek(raw, architecture, source)
+        num_kv_heads, head_dim = num_heads, mla.qk_head_dim
     rope_theta, rope_scaling = _rope(raw)
     sliding_window, layer_windows = _sliding_windows(raw, family, num_layers)
     bias = bool(raw.get("attention_bias", False))
@@ -179,6 +193,8 @@ def parse_model_config(raw: dict[str, Any], source: str = "",
         torch_dtype=_DTYPE_NAMES.get(str(dtype)) if dtype else None,
         layer_sliding_windows=layer_windows,
         source=source,
+        mla=mla,
+        moe=moe,
         raw=raw,
     )
 

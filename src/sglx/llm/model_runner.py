@@ -24,6 +24,7 @@ from sglx.llm.cuda_graph_runner import CudaGraphPlan, CudaGraphRunner, cuda_grap
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig, load_model_config
 from sglx.platform import PlatformSnapshot
 
@@ -102,11 +103,9 @@ class ModelRunner:
         self.model, self.model_config = load_model(self.model_path, self.dtype, self.device,
                                                    load_format=config.load_format, seed=config.seed)
         self.memory = self._plan_memory()
-        mc = self.model_config
         self.req_to_token_pool = ReqToTokenPool(self.memory.max_running_requests, self.memory.context_length + 1,
                                                 device=self.device)
-        self.token_kv_pool = TokenKVPool(self.memory.num_slots, self.page_size, mc.num_layers, mc.num_kv_heads,
-                                         mc.head_dim, self.dtype, config.kv_cache_dtype, self.device)
+        self.token_kv_pool = self._kv_pool(self.memory.num_slots, self.page_size, self.device)
         self.backend = self._build_backend()
         self.cuda_graph: CudaGraphPlan = cuda_graph_plan(
             self.device, self.selection.decode, bool(self.backend.supports_cuda_graph), config.disable_cuda_graph,
@@ -134,7 +133,7 @@ class ModelRunner:
         out: dict[str, dict] = {}
         errors: list[str] = []
         for name in names:
-            spec = find(name, "llm", "mha")
+            spec = find(name, "llm", self.model_config.attention_kind)  # type: ignore[arg-type]
             assert spec is not None
             try:
                 out[name] = dict(load_backend_config(spec, text).values)
@@ -148,8 +147,7 @@ class ModelRunner:
     def _plan_memory(self) -> MemoryPlan:
         cfg, mc = self.config, self.model_config
         context = cfg.context_length or mc.max_position_embeddings
-        probe = TokenKVPool(0, 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.kv_cache_dtype, "meta")
-        per_token = probe.bytes_per_token()
+        per_token = self._kv_pool(0, 1, "meta").bytes_per_token()
         default_running = DEFAULT_CPU_MAX_RUNNING if self.device.type == "cpu" else DEFAULT_GPU_MAX_RUNNING
         max_running = cfg.max_running_requests or default_running
         row_bytes = (context + 1) * 4
@@ -181,15 +179,25 @@ class ModelRunner:
         max_running = max(1, min(max_running, slots))
         return MemoryPlan(slots, per_token, max_running, context, source)
 
+    def _kv_pool(self, num_slots: int, page_size: int, device: torch.device | str) -> TokenKVPool | MLATokenKVPool:
+        """Per-head K/V buffers, or for MLA models one latent (kv_lora_rank + qk_rope_head_dim) per token."""
+        mc, kv_dtype = self.model_config, self.config.kv_cache_dtype
+        if mc.mla is not None:
+            return MLATokenKVPool(num_slots, page_size, mc.num_layers, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim,
+                                  self.dtype, kv_dtype, device)
+        return TokenKVPool(num_slots, page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, kv_dtype,
+                           device)
+
     def _build_backend(self) -> AttentionBackend:
         sel = self.selection
         mc = self.model_config
+        pool = self.token_kv_pool
 
         def make(name: str) -> AttentionBackend:
-            spec = find(name, "llm", "mha")
+            spec = find(name, "llm", mc.attention_kind)  # type: ignore[arg-type]
             assert spec is not None
             ctx = BackendContext(device=self.device, dtype=self.dtype, num_q_heads=mc.num_heads,
-                                 num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=self.page_size,
+                                 num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim, page_size=self.page_size,
                                  req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool,
                                  config=self.backend_configs.get(name, {}))
             return spec.load()(ctx)

@@ -9,14 +9,17 @@ from torch import nn
 
 from sglx.errors import SglxError
 from sglx.llm.model_config import ModelConfig, load_model_config
+from sglx.llm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sglx.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from sglx.llm.weights import fill_dummy_weights, load_safetensors_weights
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -83,4 +86,5 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str, device: str | t
 
 
 __all__ = ["DTYPE_CHOICES", "LOAD_FORMATS", "MODEL_CLASSES", "build_model", "load_model", "resolve_dtype",
-           "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+           "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]

@@ -1,0 +1,111 @@
+"""DeepSeek mixture of experts: grouped top-k routing, routed experts as stacked weights, shared experts.
+
+Routing follows the reference implementations exactly (float32 router logits):
+- greedy (V2): softmax scores, top-k experts.
+- group_limited_greedy (V2): softmax; keep the top `topk_group` groups by their best expert, then top-k.
+- noaux_tc (V3): sigmoid scores; choose with scores + e_score_correction_bias, groups ranked by the sum of
+  their two best biased scores; weights are the UNbiased scores of the chosen experts.
+Weights are renormalized when norm_topk_prob (V3; V2 only with top_k > 1, where it replaces the scaling
+as in DeepSeek's V2 code) and multiplied by routed_scaling_factor otherwise / afterwards (V3).
+The experts run as one small GEMM pair per expert that received tokens (simple and exact; a grouped
+kernel is the later speed-up).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglx.llm.deepseek_config import MoEConfig
+from sglx.llm.layers.mlp import GatedMLP
+
+
+def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k])."""
+    k, groups, experts = cfg.num_experts_per_tok, cfg.n_group, cfg.n_routed_experts
+    if cfg.scoring_func == "sigmoid":
+        scores = router_logits.sigmoid()
+    else:
+        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+    if cfg.topk_method == "greedy":
+        weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    elif cfg.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, groups, experts // groups).max(dim=-1).values
+        masked = scores.masked_fill(~_group_mask(group_scores, cfg), 0.0)
+        weights, ids = torch.topk(masked, k=k, dim=-1, sorted=False)
+    else:  # noaux_tc
+        choice = scores + correction_bias if correction_bias is not None else scores
+        group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, cfg), float("-inf"))
+        ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    if cfg.topk_method == "noaux_tc":
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+    if k > 1 and cfg.norm_topk_prob:
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """[T, G] group scores -> [T, E] bool: experts of each token's top `topk_group` groups."""
+    top = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)
+    return mask.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1)
+
+
+class RoutedExperts(nn.Module):
+    """E gated experts as stacked weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> sum_k weights * expert_ids(x) [T, H]."""
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // ids.shape[1]
+        w_sorted = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])
+            out.index_add_(0, rows, (y * w_sorted[start:start + n, None]).to(out.dtype))
+            start += n
+        return out
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (weighted top-k) plus always-on shared experts."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden_size), requires_grad=False)
+        if cfg.topk_method == "noaux_tc":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(cfg.n_routed_experts), requires_grad=False)
+        self.experts = RoutedExperts(cfg.n_routed_experts, hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (GatedMLP(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, ids = select_experts(logits, self.cfg, bias.float() if bias is not None else None)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
