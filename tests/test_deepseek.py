@@ -272,6 +272,15 @@ def test_dummy_weights_for_shrunk_shipped_config(tmp_path: Path, name: str) -> N
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model, cfg = load_model(tmp_path, "auto", "cpu", load_format="dummy", seed=0)
     assert next(model.parameters()).dtype == torch.bfloat16
+    # bench one-batch's floor reads only the routed experts a step can reach (expected, uniform routing)
+    from sglx.bench.one_batch import weight_bytes_per_step
+
+    experts = sum(p.numel() * 2 for layer in model.model.layers if hasattr(layer.mlp, "experts")
+                  for p in layer.mlp.experts.parameters())
+    k, e = cfg.moe.num_experts_per_tok, cfg.moe.n_routed_experts
+    full = weight_bytes_per_step(model, 10**6)  # every expert reached
+    assert weight_bytes_per_step(model, 1) - (full - (10**6 - 1) * cfg.hidden_size * 2) == pytest.approx(
+        -experts * (1 - k / e), abs=2)
     with Engine(model_path=str(tmp_path), load_format="dummy", max_total_tokens=256, page_size=4) as eng:
         out = eng.generate(input_ids=list(range(3, 23)), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     assert len(out["output_ids"]) == 4

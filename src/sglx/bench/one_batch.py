@@ -71,12 +71,22 @@ def engine_config_for(base: EngineConfig, config: OneBatchConfig) -> EngineConfi
 
 def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     """Bytes of weights one decode step reads: every parameter, but only `batch_size` rows of the embedding
-    table (unless the table doubles as the LM head, which reads all of it)."""
+    table (unless the table doubles as the LM head, which reads all of it), and of a MoE layer's routed
+    experts only those its batch_size * top_k choices reach (expected count under uniform routing, which
+    dummy weights give: E * (1 - (1 - k/E)^batch_size))."""
+    from sglx.llm.layers.moe import DeepseekMoE
+
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
     if getattr(model, "lm_head", None) is not None:
         total += batch_size * embed.shape[1] * embed.element_size() - embed.numel() * embed.element_size()
+    for module in model.modules():
+        if isinstance(module, DeepseekMoE):
+            e, k = module.cfg.n_routed_experts, module.cfg.num_experts_per_tok
+            touched = e * (1 - (1 - k / e) ** batch_size)
+            expert_bytes = sum(p.numel() * p.element_size() for p in module.experts.parameters())
+            total -= int(expert_bytes * (1 - touched / e))
     return total
 
 
