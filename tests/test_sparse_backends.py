@@ -261,10 +261,10 @@ def test_vmoba_unset_chunks_fall_back_to_fastvideo_values_cut_to_the_grid():
 # -------------------------------------------------------------------------------------------------- SVG2
 
 
-def brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, block):
-    """Per (b, h): queries sorted by cluster, each cluster and the text padded to whole blocks; keys sorted by
-    cluster, then text, unpadded, junk up to the common length. A block pair is attended when any (query
-    cluster, key cluster) pair in it is kept; text is a cluster kept by and keeping everything."""
+def brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, block, pad):
+    """Per (b, h): queries sorted by cluster, each cluster and the text padded to whole blocks (`pad`) or not;
+    keys sorted by cluster, then text, unpadded, junk up to the common length. A block pair is attended when any
+    (query cluster, key cluster) pair in it is kept; text is a cluster kept by and keeping everything."""
     b, hq, n = q_labels.shape
     hkv = k_labels.shape[1]
     rows = {}
@@ -273,10 +273,10 @@ def brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, block):
         row = []
         for c in range(cmap.shape[2]):
             size = labels.count(c)
-            row += [c] * size + [None] * (-size % block)
-        row += ["text"] * meta.text_tokens + [None] * (-meta.text_tokens % block)
+            row += [c] * size + [None] * (-size % block if pad else 0)
+        row += ["text"] * meta.text_tokens + [None] * (-meta.text_tokens % block if pad else 0)
         rows[bb, hh] = row
-    length = max(len(r) for r in rows.values())
+    length = -(-max(len(r) for r in rows.values()) // block) * block
     nb = length // block
     out = torch.zeros(b, hq, nb, nb, dtype=torch.bool)
     for (bb, hh), row in rows.items():
@@ -300,17 +300,25 @@ def plan_mask_in_input_order(plan, hq, hkv):
                         for bb in range(b)])
 
 
-@pytest.mark.parametrize(("grid", "text", "position"), [((3, 5, 7), 0, "none"), ((2, 5, 6), 9, "prefix"),
-                                                        ((3, 4, 5), 20, "suffix")])
-def test_svg2_layout_matches_brute_force_and_covers_the_cluster_mask(grid, text, position):
+@pytest.mark.parametrize(("grid", "text", "position", "pad"), [
+    ((3, 5, 7), 0, "none", True), ((2, 5, 6), 9, "prefix", True), ((3, 4, 5), 20, "suffix", True),
+    ((3, 5, 7), 0, "none", False), ((2, 5, 6), 9, "prefix", False), ((6, 8, 9), 0, "none", True),
+])
+def test_svg2_layout_matches_brute_force_and_covers_the_cluster_mask(grid, text, position, pad):
     meta = make_meta(grid, text, position)
     gen = torch.Generator().manual_seed(1)
     n = meta.image_tokens
     q_labels = torch.randint(0, 6, (2, 4, n), generator=gen)
     k_labels = torch.randint(0, 9, (2, 2, n), generator=gen)
     cmap = torch.rand(2, 4, 6, 9, generator=gen) < 0.3
-    plan = svg2_plan(q_labels, k_labels, cmap, meta, 16)
-    assert torch.equal(plan.layout.block_mask(), brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, 16))
+    plan = svg2_plan(q_labels, k_labels, cmap, meta, 16, pad_queries=pad)
+    want = brute_force_svg2_blocks(q_labels, k_labels, cmap, meta, 16, pad)
+    assert torch.equal(plan.layout.block_mask(), want)
+    auto = svg2_plan(q_labels, k_labels, cmap, meta, 16)  # pads only while padding adds <= half the sequence
+    padded = max(sum(-(-int((q_labels[bb, hh] == c).sum()) // 16) * 16 for c in range(6)) + -(-text // 16) * 16
+                 for bb in range(2) for hh in range(4))
+    if (padded <= 1.5 * meta.seq_len) == pad:
+        assert torch.equal(auto.layout.block_mask(), want)
     got = plan_mask_in_input_order(plan, 4, 2)
     image = slice(meta.image_start, meta.image_start + n)
     kept = cmap.gather(2, q_labels[..., None].expand(-1, -1, -1, 9))  # [B, H, N, Ck]
@@ -319,7 +327,14 @@ def test_svg2_layout_matches_brute_force_and_covers_the_cluster_mask(grid, text,
     # or keys sharing a key block with one (the block-level approximation is on the key side only)
     assert bool(got[:, :, image, image][kept].all())
     assert bool(got[:, :, text_positions(meta)].all()) and bool(got[:, :, :, text_positions(meta)].all())
-    assert plan.layout.density() < 0.9 and 0.0 < plan.cluster_density() < 0.5
+    assert 0.0 < plan.cluster_density() < 0.5 and (plan.layout.density() < 0.95 or not pad)
+
+
+def test_svg2_many_small_clusters_are_packed_not_padded():
+    meta = make_meta((3, 5, 7))
+    labels = torch.arange(meta.image_tokens).repeat(1, 1, 1) % 50  # 50 clusters of 2-3 tokens, blocks of 16
+    plan = svg2_plan(labels, labels, torch.eye(50, dtype=torch.bool)[None, None], meta, 16)
+    assert plan.layout.seq_len == 112  # 105 tokens in 7 blocks, not 50 padded blocks
 
 
 def test_svg2_dynamic_map_is_weighted_top_p():

@@ -169,9 +169,10 @@ register(BackendSpec(
         sparse=True, needs_grid=True,
         notes="sglx's own SVG2, no svg package needed: Triton block-sparse kernel on CUDA (fp16/bf16, head dim "
               "64/128), masked reference elsewhere. Query clusters are padded to whole blocks (64 tokens on CUDA, 16 "
-              "elsewhere); keys are not, so a key block holding several key clusters is attended when any of them "
-              "is kept: density is at least SVG2's. Centroid counts are capped at the latent token count; k-means "
-              "warm-started per layer within a generation. Defaults: Sparse-VideoGen's Wan scripts."),
+              "elsewhere; packed like the keys when that would add over half the sequence); keys are not, so a "
+              "block holding several clusters is attended when any of them is kept: density is at least SVG2's. "
+              "Centroid counts are capped at the latent token count; k-means warm-started per layer within a "
+              "generation. Defaults: Sparse-VideoGen's Wan scripts."),
     factory="sglx.attention.diffusion.sparse.svg2:SparseVideoGen2Backend",
     config=(
         ConfigParam("num_q_centroids", "int", "Number of query clusters (k-means centroids) per head.",

@@ -11,14 +11,16 @@ block-sparse on the permuted sequence and the output is permuted back. The first
 steps and `first_layers_fp` of the layers (fractions, rounded down as Sparse-VideoGen does) run dense;
 `zero_step_kmeans_init` also clusters during those dense steps so the first sparse step starts warm.
 
-Variable cluster sizes on a block-level layout (the documented approximation, on the key side only): in the
-permuted query sequence every query cluster is padded to whole blocks (16 tokens on CPU, 64 on CUDA; padded
-rows are computed and dropped), so a query block holds one cluster and its row is exactly that cluster's
-choice. Keys are sorted by cluster without padding, so a key block may hold the tail of one cluster and the
-head of the next: it is attended when any of its clusters is kept. Every pair Sparse-VideoGen attends is
-attended, plus the keys that share a block with one; density is at least SVG2's (`SVG2Plan.cluster_density`
-is SVG2's own). Joint text tokens follow the latent tokens in blocks of their own, attend everything and are
-attended by every query. Calls without step metadata run dense.
+Variable cluster sizes on a block-level layout (the documented approximation): in the permuted query sequence
+every query cluster is padded to whole blocks (16 tokens on CPU, 64 on CUDA; padded rows are computed and
+dropped), so a query block holds one cluster and its row is exactly that cluster's choice; when padding would
+add more than half the sequence (many clusters smaller than a block), query clusters are packed like the keys
+and a block holding several attends the union of their choices. Keys are sorted by cluster without padding, so
+a key block may hold the tail of one cluster and the head of the next: it is attended when any of its clusters
+is kept. Every pair Sparse-VideoGen attends is attended, plus the keys (and, packed, queries) that share a block
+with one: density is at least SVG2's (`SVG2Plan.cluster_density` is SVG2's own). Joint text tokens follow the
+latent tokens in blocks of their own, attend everything and are attended by every query. Calls without step
+metadata run dense.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from sglx.attention.diffusion.sparse.video_sparse import check_sequence, validat
 from sglx.errors import ConfigError, SglxError
 
 NAME = "sparse_video_gen_2_attn"
+PAD_LIMIT = 0.5  # pad query clusters to whole blocks only while that adds at most half the sequence
 
 
 @dataclass(frozen=True)
@@ -175,27 +178,31 @@ def _index_of(slot: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch.Tensor, meta: DiTAttnMetadata,
-              block: int) -> SVG2Plan:
-    """Permutations and block layout from labels (q [B, Hq, N], k [B, Hkv, N]) and the cluster map."""
+              block: int, pad_queries: bool | None = None) -> SVG2Plan:
+    """Permutations and block layout from labels (q [B, Hq, N], k [B, Hkv, N]) and the cluster map.
+
+    `pad_queries` None: pad query clusters to whole blocks unless that adds more than PAD_LIMIT of the sequence
+    in some row (many small clusters), then pack them like the keys."""
     b, hq, n = q_labels.shape
     hkv = k_labels.shape[1]
     cq, ck = cluster_map.shape[-2:]
-    text = meta.text_tokens
-    q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(q_labels.reshape(b * hq, n), cq, text, block)
+    text, seq = meta.text_tokens, meta.seq_len
+    flat_q = q_labels.reshape(b * hq, n)
+    q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(flat_q, cq, text, block)
+    if pad_queries is False or (pad_queries is None and int(q_total.max()) > (1 + PAD_LIMIT) * seq):
+        q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(flat_q, cq, text, None)
     k_slots, _, k_labels_at, k_sizes = _sorted_slots(k_labels.reshape(b * hkv, n), ck, text, None)
-    length = max(int(q_total.max()), meta.seq_len)  # a multiple of block: every q span is
+    length = cdiv(max(int(q_total.max()), seq), block) * block
     q_labels_at = F.pad(q_labels_at, (0, length - q_labels_at.shape[1]), value=-1)
     k_labels_at = F.pad(k_labels_at, (0, length - k_labels_at.shape[1]), value=-1)
-    # query block -> its one cluster (text: cq, padding: cq + 1, a row that keeps nothing)
-    block_cluster = q_labels_at.view(b * hq, -1, block).amax(-1)
-    block_cluster = torch.where(block_cluster < 0, cq + 1, block_cluster).view(b, hq, -1)
-    full = F.pad(cluster_map, (0, 1, 0, 1), value=True)  # text row and column: kept by and keeping everything
-    full = F.pad(full, (0, 0, 0, 1), value=False)  # padding row
-    rows = full.gather(2, block_cluster[..., None].expand(-1, -1, -1, ck + 1))  # [B, Hq, nq, Ck + 1]
+    # clusters present in each block (text is cluster cq / ck: kept by and keeping everything)
+    q_member = _membership(q_labels_at, cq + 1, block).view(b, hq, -1, cq + 1)
     k_member = _membership(k_labels_at, ck + 1, block).view(b, hkv, -1, ck + 1).repeat_interleave(hq // hkv, 1)
-    blocks = torch.matmul(rows.float(), k_member.float().transpose(-1, -2)) > 0
-    real = (meta.seq_len - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
-    k_lengths = None if length == meta.seq_len else real.to(torch.int32)
+    full = F.pad(cluster_map, (0, 1, 0, 1), value=True)
+    rows = torch.matmul(q_member.float(), full.float())  # [B, Hq, nq, Ck + 1]: > 0 where some query keeps it
+    blocks = torch.matmul(rows, k_member.float().transpose(-1, -2)) > 0
+    real = (seq - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
+    k_lengths = None if length == seq else real.to(torch.int32)
     layout = BlockSparseLayout.from_block_mask(blocks, block, block, length, k_lengths)
     q_slot = _to_input_order(q_slots, meta)
     k_slot = _to_input_order(k_slots, meta)
