@@ -29,7 +29,7 @@ def test_attention_and_step_report(tmp_path: Path) -> None:
     step = report["step"]
     assert step["latent"] == [1, 4, 2, 4, 6] and step["tokens"] == 2 * 2 * 3
     sglx = [r for r in step["rows"] if r["side"] == "sglx"]
-    assert [r["fused_prologue"] for r in sglx] == [True, False]
+    assert [r["fused_kernels"] for r in sglx] == [True, False]
     assert all(r["rel_l2_vs_baseline"] < 1e-4 for r in sglx)  # same numbers as diffusers' own forward
     assert step["baseline"] in {r["attention"] for r in step["rows"] if r["side"] == "diffusers" and "median_ms" in r}
     assert report["summary"]["sglx / diffusers step time"] == pytest.approx(step["sglx_over_diffusers"], abs=1e-3)

@@ -38,12 +38,15 @@ def test_ln_modulate(affine: bool, modulate: bool) -> None:
     assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999  # at most a rounding apart
 
 
-def test_gate_residual_is_bitwise() -> None:
+def test_gate_residual() -> None:
+    """Triton contracts h + y * gate into one FMA (torch rounds the product first): equal up to a rounding."""
     torch.manual_seed(1)
     h, y = (torch.randn(2, 1000, 1536, device=DEV).bfloat16() for _ in range(2))
     gate = torch.randn(2, 6, 1536, device=DEV).chunk(6, dim=1)[2]
     got, want = _both(lambda: gate_residual(h, y, gate))
-    assert torch.equal(got, want)
+    ulp = (want.float().abs() * 2 ** -8).clamp_min(1e-6)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])

@@ -108,7 +108,7 @@ def step_table(report: dict[str, Any]) -> Any:
             continue
         note = f"rel L2 vs baseline {r['rel_l2_vs_baseline']:.1e}" if "rel_l2_vs_baseline" in r else ""
         if r["side"] == "sglx":
-            note += "; fused q/k prologue" if r.get("fused_prologue") else "; torch q/k prologue (A/B)"
+            note += "; fused DiT kernels" if r.get("fused_kernels") else "; diffusers' element-wise torch (A/B)"
         if r["side"] == "diffusers" and r["median_ms"] == best:
             note = "baseline (fastest diffusers)"
         attention = r["attention"] + (f" ({r['variant']})" if r.get("variant") else "")

@@ -176,11 +176,11 @@ def run_step(config: StepConfig, device: torch.device, snap: Any,
 
     variant = getattr(backend, "variant", None)
     with torch.inference_mode():
-        for fused in (True, False):  # the fused q/k prologue, then diffusers' torch arithmetic (A/B)
-            say(f"step: sglx forward, backend {selection.backend}, fused prologue {fused}")
+        for fused in (True, False):  # sglx's fused DiT kernels, then diffusers' torch arithmetic (A/B)
+            say(f"step: sglx forward, backend {selection.backend}, fused kernels {fused}")
             with fused_kernels(fused):
                 got = sglx_forward()
-                row = {"side": "sglx", "attention": selection.backend, "variant": variant, "fused_prologue": fused,
+                row = {"side": "sglx", "attention": selection.backend, "variant": variant, "fused_kernels": fused,
                        **_time(sglx_forward, device, budget), "rel_l2_vs_baseline": _rel_err(got, reference)}
             rows.append(row)
     sglx_row = rows[-2]
