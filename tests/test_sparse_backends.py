@@ -159,30 +159,43 @@ def test_vsa_gated_coarse_branch_matches_reference():
 # ------------------------------------------------------------------------------------------------- VMoBA
 
 
-def select_reference(gate, own, mode, threshold, topk):
-    """Upstream's per-row chunk choice, written with Python lists."""
-    n = len(gate)
-    if mode == "topk":
-        others = sorted((i for i in range(n) if i != own), key=lambda i: -gate[i])
-        return {own, *others[: min(topk, n) - 1]}
-    if threshold >= 1.0:
-        return set(range(n))
-    lo, hi = min(gate), max(gate)
-    denom = hi - lo if hi - lo > 1e-6 else 1.0
-    norm = [(g - lo) / denom for g in gate]
-    total = sum(norm)
-    remain = max(threshold - norm[own] / (total + 1e-6), 0.0)
-    ranked = sorted(range(n), key=lambda i: -(0.0 if i == own else norm[i]))
-    picked, acc = {own}, 0.0
-    for i in ranked:
-        acc += 0.0 if i == own else norm[i]
-        picked.add(i)
-        if acc / (total + 1e-6) >= remain:
-            break
-    return picked
+GROUP_OF = {"query_head": lambda b, h, i, c: (b, h, i), "block": lambda b, h, i, c: (b, c),
+            "overall": lambda b, h, i, c: (b,), "head_global": lambda b, h, i, c: (b, h)}
 
 
-def brute_force_vmoba(q, k, meta, box, block, mode, threshold, topk):
+def select_reference(gates, own, mode, ttype, threshold, topk, heads, rows):
+    """Upstream's choice written with Python dicts: gates {(b, h, i, c): gate} over latent query blocks i, own
+    {(b, h, i): own chunk}; returns the kept (b, h, i, c)."""
+    groups = {}
+    for e in gates:
+        groups.setdefault(GROUP_OF[ttype](*e), []).append(e)
+    kept = set()
+    for members in groups.values():
+        is_own = {e: own[e[:3]] == e[3] for e in members}
+        if mode == "topk":
+            count = topk * {"query_head": 1, "head_global": rows, "overall": rows * heads}[ttype]
+            ranked = sorted(members, key=lambda e: (not is_own[e], -gates[e]))
+            kept |= set(ranked[:count])
+            continue
+        if threshold >= 1.0:
+            kept |= set(members)
+            continue
+        lo, hi = min(gates[e] for e in members), max(gates[e] for e in members)
+        denom = hi - lo if hi - lo > 1e-6 else 1.0
+        norm = {e: (gates[e] - lo) / denom for e in members}
+        total = sum(norm.values())
+        remain = max(threshold - sum(norm[e] for e in members if is_own[e]) / (total + 1e-6), 0.0)
+        kept |= {e for e in members if is_own[e]}
+        acc = 0.0
+        for e in sorted(members, key=lambda e: -(0.0 if is_own[e] else norm[e])):
+            acc += 0.0 if is_own[e] else norm[e]
+            kept.add(e)
+            if acc / (total + 1e-6) >= remain:
+                break
+    return kept
+
+
+def brute_force_vmoba(q, k, meta, box, block, mode, threshold, topk, ttype="query_head"):
     """Token mask of VMoBA: chunks (boxes), query blocks of `block` tokens inside each chunk, pooled query per
     block against the mean key of every chunk."""
     pos = video_positions(meta)
@@ -190,33 +203,40 @@ def brute_force_vmoba(q, k, meta, box, block, mode, threshold, topk):
     b, s, hq, _ = q.shape
     kk = k.repeat_interleave(hq // k.shape[2], 2)
     means = torch.stack([kk[:, idx].mean(1) for idx in chunks], 2)  # [B, H, C, D]
+    groups = [(c, idx[start:start + block]) for c, idx in enumerate(chunks) for start in range(0, len(idx), block)]
+    gates, own = {}, {}
+    for i, (c, rows) in enumerate(groups):
+        gate = torch.einsum("bhd,bhcd->bhc", q[:, rows].mean(1), means)
+        for bb, hh in itertools.product(range(b), range(hq)):
+            own[bb, hh, i] = c
+            for j in range(len(chunks)):
+                gates[bb, hh, i, j] = gate[bb, hh, j].item()
     mask = torch.zeros(b, hq, s, s, dtype=torch.bool)
-    for c, idx in enumerate(chunks):
-        for start in range(0, len(idx), block):
-            rows = idx[start:start + block]
-            pooled = q[:, rows].mean(1)  # [B, H, D]
-            gate = torch.einsum("bhd,bhcd->bhc", pooled, means)
-            for bb, hh in itertools.product(range(b), range(hq)):
-                for j in select_reference(gate[bb, hh].tolist(), c, mode, threshold, topk):
-                    mask[bb, hh, torch.tensor(rows)[:, None], torch.tensor(chunks[j])[None, :]] = True
+    for bb, hh, i, j in select_reference(gates, own, mode, ttype, threshold, topk, hq, len(groups)):
+        mask[bb, hh, torch.tensor(groups[i][1])[:, None], torch.tensor(chunks[j])[None, :]] = True
     return with_text(mask, meta)
 
 
-@pytest.mark.parametrize(("grid", "text", "position", "kind", "chunk", "mode", "threshold"), [
-    ((5, 6, 7), 0, "none", "temporal", 2, "threshold", 0.25),
-    ((5, 6, 7), 6, "prefix", "spatial", (4, 3), "threshold", 0.6),
-    ((4, 6, 5), 0, "none", "st", (2, 4, 3), "threshold", 0.25),
-    ((4, 6, 5), 9, "suffix", "st", (3, 3, 2), "topk", 0.25),
-    ((5, 4, 6), 0, "none", "spatial", (2, 2), "topk", 0.25),
+@pytest.mark.parametrize(("grid", "text", "position", "kind", "chunk", "mode", "threshold", "ttype"), [
+    ((5, 6, 7), 0, "none", "temporal", 2, "threshold", 0.25, "query_head"),
+    ((5, 6, 7), 6, "prefix", "spatial", (4, 3), "threshold", 0.6, "query_head"),
+    ((4, 6, 5), 0, "none", "st", (2, 4, 3), "threshold", 0.25, "query_head"),
+    ((4, 6, 5), 9, "suffix", "st", (3, 3, 2), "topk", 0.25, "query_head"),
+    ((5, 4, 6), 0, "none", "spatial", (2, 2), "topk", 0.25, "query_head"),
+    ((5, 6, 7), 5, "prefix", "st", (2, 3, 4), "threshold", 0.3, "block"),
+    ((5, 6, 7), 0, "none", "temporal", 1, "threshold", 0.4, "overall"),
+    ((4, 6, 5), 0, "none", "spatial", (3, 2), "threshold", 0.35, "head_global"),
+    ((4, 6, 5), 3, "suffix", "st", (2, 3, 2), "topk", 0.25, "overall"),
+    ((5, 4, 6), 0, "none", "spatial", (2, 3), "topk", 0.25, "head_global"),
 ])
-def test_vmoba_layout_and_output_match_brute_force(grid, text, position, kind, chunk, mode, threshold):
+def test_vmoba_layout_and_output_match_brute_force(grid, text, position, kind, chunk, mode, threshold, ttype):
     meta = make_meta(grid, text, position, step=1, steps=2)
     q, k, v = qkv(meta)
     cfg = VMoBAConfig(**{f"{kind}_chunk_size": chunk, f"{kind}_topk": 3}, moba_select_mode=mode,
-                      moba_threshold=threshold, first_full_step=1)
+                      moba_threshold=threshold, moba_threshold_type=ttype, first_full_step=1)
     plan = vmoba_plan(q, k, meta, cfg, kind, block=16)
     box = cfg.chunk_box(kind, grid)
-    want = brute_force_vmoba(q, k, meta, box, 16, mode, threshold, 3)
+    want = brute_force_vmoba(q, k, meta, box, 16, mode, threshold, 3, ttype)
     assert torch.equal(layout_in_input_order(plan.layout, plan.order.scatter), want)
     assert plan.layout.density() < 0.95
     layer = {"temporal": 0, "spatial": 1, "st": 2}[kind]
@@ -422,7 +442,8 @@ def test_svg2_top_p_one_and_full_fractions_are_dense():
     (VMoBABackend, {"moba_select_mode": "random"}, "moba_select_mode 'random' is not one of threshold, topk"),
     (VMoBABackend, {"moba_threshold": 0.0}, "moba_threshold must be in (0, 1]"),
     (VMoBABackend, {"moba_threshold": 1.5}, "moba_threshold must be in (0, 1]"),
-    (VMoBABackend, {"moba_threshold_type": "overall"}, "'overall' is not implemented in sglx; use query_head"),
+    (VMoBABackend, {"moba_threshold_type": "rows"}, "moba_threshold_type 'rows' is not one of query_head, block"),
+    (VMoBABackend, {"moba_select_mode": "topk", "moba_threshold_type": "block"}, "upstream has no top-k per block"),
     (VMoBABackend, {"temporal_layer": 0, "spatial_layer": 0, "st_layer": 0}, "at least one chunk layer"),
     (VMoBABackend, {"first_full_step": -1}, "first_full_step must be >= 0"),
     (SparseVideoGen2Backend, {"top_p_kmeans": 0.0}, "top_p_kmeans must be in (0, 1]"),

@@ -130,7 +130,7 @@ register(BackendSpec(
         sparse=True, needs_grid=True,
         notes="sglx's own VMoBA, no upstream package needed: Triton block-sparse kernel on CUDA (fp16/bf16, head "
               "dim 64/128), masked reference elsewhere. Chunks are chosen per (head, query block) from the block's "
-              "mean query; moba_select_mode threshold or topk, moba_threshold_type query_head only. Unset chunk "
+              "mean query; moba_select_mode threshold or topk, every upstream moba_threshold_type. Unset chunk "
               "sizes/top-k take FastVideo's Wan2.1-1.3B values (temporal 2 / top 3, spatial [3,4] / top 20, "
               "st [4,6,4] / top 15) cut to the grid; any grid (edge chunks padded)."),
     factory="sglx.attention.diffusion.sparse.vmoba:VMoBABackend",

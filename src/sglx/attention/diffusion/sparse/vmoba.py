@@ -9,14 +9,16 @@ whole kernel blocks; edge chunks of a grid that does not divide by the chunk are
 
 Selection, as upstream `moba_attn_varlen`, with one adaptation to block-sparse kernels: it is made per
 (batch row, head, query block of 16 tokens on CPU, 16-64 on CUDA, inside one chunk) from the block's
-mean query instead of per query token. A query block scores every chunk by `mean_q . mean_k(chunk)` and
+mean query instead of per query token. Every query block scores every chunk by `mean_q . mean_k(chunk)` and
 always attends its own chunk; others are added by `moba_select_mode`:
-- `threshold` (`moba_threshold_type` `query_head`): scores min-max normalised over chunks; the other chunks,
-  best first, are added until their normalised sum over the total reaches `moba_threshold` minus the own
-  chunk's share (upstream's rule: at least the best other chunk is added when there is one; 1.0 keeps all
-  chunks: dense);
-- `topk`: the own chunk plus the chunk top-k minus one best others (k = the layer type's `*_topk`).
-Other `moba_threshold_type`s of upstream (block, overall, head_global) are not implemented: a clear error.
+- `threshold`: gates are min-max normalised within a group and the other entries, best first, are added until
+  their normalised sum over the group's total reaches `moba_threshold` minus the own entries' share (the entry
+  that reaches it included; upstream's rule; 1.0 keeps everything: dense). `moba_threshold_type` picks the
+  group: `query_head` one query block and head (over chunks), `block` one chunk (over heads and query blocks),
+  `head_global` one head (over query blocks and chunks), `overall` the whole batch row;
+- `topk`: own entries first, then the best gates: k chunks per query block and head (`query_head`), k x query
+  blocks per head (`head_global`) or k x heads x query blocks per batch row (`overall`); k = the layer type's
+  `*_topk`. Groups never span batch rows (upstream's varlen batch would mix CFG rows under `overall`).
 
 Unset chunk sizes and top-k (the seed gives no default) take FastVideo's published VMoBA config for
 Wan2.1-T2V-1.3B (temporal 2 frames / top-3, spatial 3x4 / top-20, spatio-temporal 4x6x4 / top-15), each chunk
@@ -27,6 +29,7 @@ tokens attend and are attended fully. Calls without step metadata run dense.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,7 +56,7 @@ from sglx.errors import ConfigError
 NAME = "vmoba_attn"
 ChunkKind = Literal["temporal", "spatial", "st"]
 SELECT_MODES = ("threshold", "topk")
-THRESHOLD_TYPES = ("query_head",)
+THRESHOLD_TYPES = ("query_head", "block", "overall", "head_global")
 # FastVideo's fastvideo/configs/backend/vmoba/wan_1.3B_77_480_832.json: the fallback for unset chunk sizes/top-k.
 FALLBACK_CHUNKS: dict[str, tuple[int, ...]] = {"temporal": (2,), "spatial": (3, 4), "st": (4, 6, 4)}
 FALLBACK_TOPK = {"temporal": 3, "spatial": 20, "st": 15}
@@ -99,8 +102,11 @@ class VMoBAConfig:
             raise ConfigError(f"{NAME} moba_threshold must be in (0, 1] (1.0 keeps every chunk); got "
                               f"{self.moba_threshold}", "moba_threshold")
         if self.moba_threshold_type not in THRESHOLD_TYPES:
-            raise ConfigError(f"{NAME} moba_threshold_type {self.moba_threshold_type!r} is not implemented in sglx; "
-                              f"use {', '.join(THRESHOLD_TYPES)} (per query block and head)", "moba_threshold_type")
+            raise ConfigError(f"{NAME} moba_threshold_type {self.moba_threshold_type!r} is not one of "
+                              f"{', '.join(THRESHOLD_TYPES)}", "moba_threshold_type")
+        if self.moba_select_mode == "topk" and self.moba_threshold_type == "block":
+            raise ConfigError(f"{NAME} moba_select_mode topk takes moba_threshold_type query_head, head_global or "
+                              "overall (upstream has no top-k per block)", "moba_threshold_type")
         for key in ("first_full_step", "first_full_layer", "temporal_layer", "spatial_layer", "st_layer"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{NAME} {key} must be >= 0; got {getattr(self, key)}", key)
@@ -172,33 +178,66 @@ def chunk_means(k_ordered: torch.Tensor, order: TileOrder, heads: int) -> torch.
     return out / per_chunk[None, None, :, None]
 
 
-def select_threshold(gate: torch.Tensor, own: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Upstream's `query_head` threshold rule on gate [..., C] (own chunk index `own` [...]) -> bool [..., C]."""
-    chunks = gate.shape[-1]
-    own_hot = F.one_hot(own, chunks).bool().expand_as(gate)
+# How candidates are grouped for normalisation and the cumulative threshold (upstream's threshold_type), as the
+# dims of gate [B, H, N, C] (batch row, head, query block, chunk) that one group spans.
+GROUP_DIMS = {"query_head": (3,), "block": (1, 2), "overall": (1, 2, 3), "head_global": (2, 3)}
+
+
+def _grouped(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """x [B, H, N, C] -> [groups, candidates] with `dims` as the candidate axis, and how to undo it."""
+    rest = [d for d in range(4) if d not in dims]
+    perm = rest + list(dims)
+    moved = x.permute(perm)
+    return moved.reshape(-1, math.prod(x.shape[d] for d in dims)), perm, list(moved.shape)
+
+
+def _ungrouped(x: torch.Tensor, perm: list[int], shape: list[int]) -> torch.Tensor:
+    return x.reshape(shape).permute([perm.index(d) for d in range(4)])
+
+
+def select_threshold(gate: torch.Tensor, own_hot: torch.Tensor, valid: torch.Tensor, threshold: float,
+                     threshold_type: str = "query_head") -> torch.Tensor:
+    """Upstream's threshold rule: in each group (see GROUP_DIMS) gates are min-max normalised over the valid
+    entries; the own-chunk entries count first, the others are added best first until their normalised sum over
+    the group's total reaches `threshold` (the entry that reaches it included; none reaching it: all).
+
+    gate, own_hot, valid: [B, H, N, C] -> bool [B, H, N, C] (own entries always kept, invalid never)."""
     if threshold >= 1.0:
-        return torch.ones_like(own_hot)
-    lo, hi = gate.amin(-1, keepdim=True), gate.amax(-1, keepdim=True)
+        return valid.clone()
+    g, perm, shape = _grouped(gate, GROUP_DIMS[threshold_type])
+    own, _, _ = _grouped(own_hot & valid, GROUP_DIMS[threshold_type])
+    ok, _, _ = _grouped(valid, GROUP_DIMS[threshold_type])
+    lo = g.masked_fill(~ok, float("inf")).amin(-1, keepdim=True)
+    hi = g.masked_fill(~ok, float("-inf")).amax(-1, keepdim=True)
     denom = hi - lo
-    norm = (gate - lo) / torch.where(denom <= EPS, torch.ones_like(denom), denom)
+    denom = torch.where((denom <= EPS) | ~torch.isfinite(denom), torch.ones_like(denom), denom)
+    norm = ((g - lo) / denom).masked_fill(~ok, 0.0)
     total = norm.sum(-1, keepdim=True)
-    own_norm = (norm * own_hot).sum(-1, keepdim=True)
-    remain = (threshold - own_norm / (total + EPS)).clamp(min=0.0)
-    ranked, order = norm.masked_fill(own_hot, 0.0).sort(-1, descending=True)
+    remain = (threshold - (norm * own).sum(-1, keepdim=True) / (total + EPS)).clamp(min=0.0)
+    ranked, order = norm.masked_fill(own, 0.0).sort(-1, descending=True)
     reached = ranked.cumsum(-1) / (total + EPS) >= remain
-    cutoff = torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), chunks - 1)
-    keep = torch.arange(chunks, device=gate.device) <= cutoff
+    cutoff = torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True), g.shape[-1] - 1)
+    keep = torch.arange(g.shape[-1], device=gate.device) <= cutoff
     picked = torch.zeros_like(keep).scatter_(-1, order, keep)
-    return picked | own_hot
+    return _ungrouped((picked & ok) | own, perm, shape)
 
 
-def select_topk(gate: torch.Tensor, own: torch.Tensor, topk: int) -> torch.Tensor:
-    """The own chunk plus the best top-k minus one others -> bool [..., C]."""
-    chunks = gate.shape[-1]
-    own_hot = F.one_hot(own, chunks).bool().expand_as(gate)
-    boosted = gate.masked_fill(own_hot, float("inf"))
-    picked = boosted.topk(min(topk, chunks), dim=-1).indices
-    return torch.zeros_like(own_hot).scatter_(-1, picked, True)
+def select_topk(gate: torch.Tensor, own_hot: torch.Tensor, valid: torch.Tensor, topk: int,
+                threshold_type: str = "query_head") -> torch.Tensor:
+    """Upstream's top-k rule: own-chunk entries first, then the best gates; query_head keeps k chunks per query
+    block and head, head_global k x (query blocks) entries per head, overall k x heads x (query blocks) per
+    batch row. -> bool [B, H, N, C]."""
+    if threshold_type == "block":
+        raise ConfigError(f"{NAME} moba_select_mode topk takes moba_threshold_type query_head, head_global or "
+                          "overall (upstream has no top-k per block)", "moba_threshold_type")
+    dims = GROUP_DIMS[threshold_type]
+    rows = int(valid[0, 0, :, 0].sum())  # valid (latent) query blocks
+    per_group = {"query_head": 1, "head_global": rows, "overall": rows * gate.shape[1]}[threshold_type]
+    g, perm, shape = _grouped(gate.masked_fill(own_hot, float("inf")).masked_fill(~valid, float("-inf")), dims)
+    ok, _, _ = _grouped(valid, dims)
+    picked = g.topk(min(topk * per_group, g.shape[-1]), dim=-1).indices
+    chosen = torch.zeros_like(ok).scatter_(-1, picked, True) & ok
+    return _ungrouped(chosen, perm, shape)
 
 
 @dataclass(frozen=True)
@@ -218,12 +257,13 @@ def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMo
     kc = chunk_means(to_order(k, order), order, q.shape[2])  # [B, H, C, D]
     gate = torch.einsum("bhnd,bhcd->bhnc", qb.double(), kc.double())
     tile = on_device(order.block_tile, q.device)
-    own = tile.clamp(min=0)[None, None, :].expand(gate.shape[:3])
-    if cfg.moba_select_mode == "topk":
-        chosen = select_topk(gate, own, cfg.topk(kind))
-    else:
-        chosen = select_threshold(gate, own, cfg.moba_threshold)
     text = tile < 0
+    own_hot = F.one_hot(tile.clamp(min=0), gate.shape[-1]).bool()[None, None] & ~text[None, None, :, None]
+    valid = (~text)[None, None, :, None].expand(gate.shape)
+    if cfg.moba_select_mode == "topk":
+        chosen = select_topk(gate, own_hot, valid, cfg.topk(kind), cfg.moba_threshold_type)
+    else:
+        chosen = select_threshold(gate, own_hot, valid, cfg.moba_threshold, cfg.moba_threshold_type)
     mask = chosen.index_select(-1, tile.clamp(min=0)) | text[None, None, None, :] | text[None, None, :, None]
     lengths = None if order.k_lengths is None else on_device(order.k_lengths, q.device)
     layout = BlockSparseLayout.from_block_mask(mask, block, block, order.slots, lengths)
