@@ -33,13 +33,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.kmeans import KMeansResult, kmeans
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
+from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tiled import pooling_dtype
-from sglx.attention.diffusion.sparse.video_sparse import check_sequence, validated
 from sglx.errors import ConfigError, SglxError
 
 NAME = "sparse_video_gen_2_attn"
@@ -246,11 +246,10 @@ class SVG2State:
         return state
 
 
-class SparseVideoGen2Backend(DiffusionAttentionBackend):
+class SparseVideoGen2Backend(SparseDiTBackend):
     """SVG2: dense warm-up steps/layers, then k-means permutation and top-p cluster selection."""
 
     name = NAME
-    sparse = True
 
     def __init__(self, config: Mapping[str, Any] | None = None, *, block: int | None = None) -> None:
         super().__init__(config)
@@ -258,13 +257,6 @@ class SparseVideoGen2Backend(DiffusionAttentionBackend):
         self.block = block
         self.state = SVG2State()
         self.last_plan: SVG2Plan | None = None  # the last sparse call's plan (density, tests)
-
-    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      scale: float | None = None) -> torch.Tensor:
-        check_qkv(q, k, v)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
 
     def is_dense(self, meta: DiTAttnMetadata, layer: int) -> bool:
         if meta.num_layers is None:
@@ -278,7 +270,7 @@ class SparseVideoGen2Backend(DiffusionAttentionBackend):
         if meta is None:
             return self.forward_dense(q, k, v, scale=scale)
         check_qkv(q, k, v)
-        check_sequence(NAME, q, k, meta)
+        self.check_sequence(q, k, meta)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.is_dense(meta, layer):
             if self.svg2.zero_step_kmeans_init:

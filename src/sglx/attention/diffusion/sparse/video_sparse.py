@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
+from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tile_order import TileOrder, tile_order
 from sglx.attention.diffusion.sparse.tiled import block_means, from_order, on_device, to_order
-from sglx.errors import ConfigError, SglxError
+from sglx.errors import ConfigError
 
 NAME = "video_sparse_attn"
 CUBE = (4, 4, 4)
@@ -59,16 +59,6 @@ class VSAConfig:
     def from_mapping(cls, config: Mapping[str, Any] | None) -> VSAConfig:
         values = validated(NAME, config)
         return cls(sparsity=values["sparsity"])
-
-
-def validated(name: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Types and registry defaults (the registry's ConfigParams are the only place defaults live)."""
-    from sglx.attention.config import validate_config
-    from sglx.attention.registry import find
-
-    spec = find(name, "diffusion", "dit")
-    assert spec is not None, name
-    return validate_config(spec, dict(config or {})).as_dict()
 
 
 def cube_order(meta: DiTAttnMetadata) -> TileOrder:
@@ -129,36 +119,22 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     return out + (gate_compress.to(coarse.dtype) * coarse).to(out.dtype)
 
 
-class VideoSparseAttentionBackend(DiffusionAttentionBackend):
+class VideoSparseAttentionBackend(SparseDiTBackend):
     """VSA with the config's sparsity on every self-attention call of every step and layer."""
 
     name = NAME
-    sparse = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
         self.vsa = VSAConfig.from_mapping(config)
-
-    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      scale: float | None = None) -> torch.Tensor:
-        check_qkv(q, k, v)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                 meta: DiTAttnMetadata | None = None, layer: int = 0) -> torch.Tensor:
         if meta is None:
             return self.forward_dense(q, k, v, scale=scale)
         check_qkv(q, k, v)
-        check_sequence(NAME, q, k, meta)
+        self.check_sequence(q, k, meta)
         return video_sparse_attention(q, k, v, meta, self.vsa.sparsity, scale)
-
-
-def check_sequence(name: str, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata) -> None:
-    if q.shape[1] != meta.seq_len or k.shape[1] != meta.seq_len:
-        raise SglxError(f"{name}: sequence of {q.shape[1]} tokens, but the step's grid {meta.grid} and "
-                        f"{meta.text_tokens} text tokens make {meta.seq_len}")
 
 
 __all__ = ["VSAConfig", "VideoSparseAttentionBackend", "compute_topk", "video_sparse_attention", "vsa_plan"]

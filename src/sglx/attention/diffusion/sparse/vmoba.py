@@ -37,10 +37,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
+from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_order
 from sglx.attention.diffusion.sparse.tiled import (
     block_means,
@@ -50,7 +51,6 @@ from sglx.attention.diffusion.sparse.tiled import (
     real_slots,
     to_order,
 )
-from sglx.attention.diffusion.sparse.video_sparse import check_sequence, validated
 from sglx.errors import ConfigError
 
 NAME = "vmoba_attn"
@@ -270,22 +270,14 @@ def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMo
     return VMoBAPlan(order, layout, chosen)
 
 
-class VMoBABackend(DiffusionAttentionBackend):
+class VMoBABackend(SparseDiTBackend):
     """VMoBA: dense for the first steps/layers, then temporal/spatial/spatio-temporal chunk layers in turn."""
 
     name = NAME
-    sparse = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
         self.vmoba = VMoBAConfig.from_mapping(config)
-
-    def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      scale: float | None = None) -> torch.Tensor:
-        check_qkv(q, k, v)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
 
     def layer_kind(self, meta: DiTAttnMetadata | None, layer: int) -> ChunkKind | None:
         """The chunk type this call runs; None when it runs dense (no metadata, a full step or layer)."""
@@ -299,7 +291,7 @@ class VMoBABackend(DiffusionAttentionBackend):
         if kind is None or meta is None:
             return self.forward_dense(q, k, v, scale=scale)
         check_qkv(q, k, v)
-        check_sequence(NAME, q, k, meta)
+        self.check_sequence(q, k, meta)
         plan = vmoba_plan(q, k, meta, self.vmoba, kind)
         qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
         return from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
