@@ -228,9 +228,9 @@ def test_mla_model_with_mha_only_backend_fails_before_weights_load(workdir: Path
     msg = str(err.value)
     assert "flex_attention has no MLA implementation" in msg and "an MLA model" in msg and "torch_native" in msg
     with pytest.raises(BackendUnavailableError) as err:
-        engine(no_weights, attention_backend="triton")  # declared for MLA, not implemented yet, and needs a GPU
+        engine(no_weights, attention_backend="triton")  # sglx's triton MLA needs a GPU
     msg = str(err.value)
-    assert "--attention-backend triton cannot run here" in msg and "not implemented" in msg
+    assert "--attention-backend triton cannot run here" in msg and "runs on CUDA" in msg
     assert "Backends that would run here: torch_native" in msg
     with pytest.raises(SglxError, match="no \\*.safetensors"):  # the same directory does get to the weights
         engine(no_weights, attention_backend="torch_native")

@@ -32,6 +32,7 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mla", "torch_native"),
+               ("llm", "mla", "triton"),
                ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
                ("diffusion", "dit", "video_sparse_attn"), ("diffusion", "dit", "vmoba_attn"),
@@ -124,7 +125,6 @@ MLA_MATRIX = {
     "cutlass_mla": (True, True, True, True, False),
     "trtllm_mla": (True, True, True, True, False),
     "fa3": (False, False, True, True, "page_size=1 only"),
-    "triton": (False, False, False, True, "page_size=1 only"),
     "fa4": (False, True, True, False, False),
     "ascend": (False, False, False, False, False),
 }
@@ -143,6 +143,16 @@ def test_mla_features_match_support_matrix(name: str) -> None:
     f = spec("llm", "mla", name).features
     assert isinstance(f, LLMFeatures)
     assert (f.fp8_kv, f.fp4_kv, f.chunked_prefix_cache, f.spec_topk1, f.spec_topk_gt1) == MLA_MATRIX[name]
+
+
+def test_mla_backends_sglx_implements_declare_what_they_do() -> None:
+    """triton and torch_native MLA: any page size through kv_indices, fp8 latents, no speculative decoding."""
+    for name, graphs in (("triton", True), ("torch_native", False)):
+        s = spec("llm", "mla", name)
+        f = s.features
+        assert isinstance(f, LLMFeatures) and s.implemented
+        assert (f.page_sizes, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1) == (None, True, False, False, False)
+        assert f.cuda_graph == graphs == s.load().supports_cuda_graph
 
 
 def test_torch_native_declares_what_sglx_implements() -> None:

@@ -331,10 +331,12 @@ EXPLICIT = [
                  id="flashinfer_mla-default"),
     pytest.param("a100", MLA, LLMBackendArgs(attention_backend="flashinfer", page_size=16), None,
                  ("page size 16 is not supported", "flashinfer needs --page-size 1"), id="flashinfer_mla-page16"),
-    pytest.param("a100", MLA, LLMBackendArgs(attention_backend="triton", spec_topk=2, page_size=16), None,
-                 ("topk>1 on triton needs --page-size 1",), id="triton_mla-topk2-page16"),
-    pytest.param("a100", MLA, LLMBackendArgs(attention_backend="triton", spec_topk=2), ("triton", "triton", 1), (),
-                 id="triton_mla-topk2-page1"),
+    pytest.param("h100_cu124", MLA, LLMBackendArgs(attention_backend="fa3", spec_topk=2, page_size=16), None,
+                 ("topk>1 on fa3 needs --page-size 1",), id="fa3_mla-topk2-page16"),
+    pytest.param("h100_cu124", MLA, LLMBackendArgs(attention_backend="fa3", spec_topk=2), ("fa3", "fa3", 1), (),
+                 id="fa3_mla-topk2-page1"),
+    pytest.param("a100", MLA, LLMBackendArgs(attention_backend="triton", spec_topk=1), None,
+                 ("speculative decoding (topk=1) is not supported by triton",), id="triton_mla-sglx-has-no-spec"),
     # features: fp8 KV, sliding window
     pytest.param("b200", MHA, LLMBackendArgs(attention_backend="fa4", kv_cache_dtype="fp8_e4m3"), None,
                  ("fp8 KV cache (--kv-cache-dtype fp8_e4m3) is not supported by fa4",), id="fa4-fp8"),
@@ -532,12 +534,14 @@ def test_real_registry_mha_picks_only_implemented(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", REAL_MACHINES)
-def test_real_registry_mla_runs_torch_native(name: str) -> None:
-    """sglx implements only the torch_native MLA reference so far: auto lands there, saying why the others lost."""
+def test_real_registry_mla_picks_only_implemented(name: str) -> None:
+    """sglx implements triton and torch_native MLA: auto lands on triton on any GPU, else torch_native."""
     sel = select_llm(machine(name), MLA, LLMBackendArgs())
-    assert (sel.decode, sel.page_size, sel.source) == ("torch_native", 1, "auto")
+    expected = "triton" if MACHINES[name][0] in ("cuda", "rocm", "xpu") else "torch_native"
+    assert (sel.decode, sel.page_size, sel.source) == (expected, 1, "auto")
     lost = passed_over(sel.considered)
-    assert set(lost) == {n for n, _ in llm_auto_candidates(machine(name), "mla")} - {"torch_native"}
+    order = [n for n, _ in llm_auto_candidates(machine(name), "mla")]
+    assert set(lost) == set(order[:order.index(expected)])
     assert all(NOT_IMPLEMENTED in reasons for reasons in lost.values())
 
 
@@ -605,7 +609,7 @@ def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, b
     if traits is MHA:
         assert "Backends that would run here: triton, torch_native" in msg
     else:
-        assert "Backends that would run here: torch_native" in msg
+        assert "Backends that would run here: triton, torch_native" in msg
 
 
 def test_real_registry_cpu() -> None:

@@ -176,10 +176,15 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="triton", family="llm", kind="mla", title="Triton (MLA)",
-    summary="Portable Triton MLA kernels.",
+    summary="Portable Triton MLA kernels: split-KV absorbed decode over the latent cache, expanded extend.",
     requires=(OnPlatform(("cuda", "rocm", "xpu")), Package(("triton",))),
-    features=LLMFeatures(native_paging=False, fp8_kv=False, fp4_kv=False, spec_topk1=True,
-                         spec_topk_gt1="page_size=1 only", chunked_prefix_cache=False, cuda_graph=True),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         chunked_prefix_cache=False, cuda_graph=True),
+    factory="sglx.attention.llm.triton_mla:TritonMLABackend",
+    notes="sglx's own kernels: decode reads each [c_kv, k_pe] latent tile once for scores and values (W_UK "
+          "folded into q, W_UV after); extend expands prefix + new latents per head for the MHA extend kernel; "
+          "any page size through kv_indices, fp8 latents. Verified under the Triton interpreter; GPU timings "
+          "and CUDA-graph runs are pending.",
 ))
 
 register(BackendSpec(

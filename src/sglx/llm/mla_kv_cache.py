@@ -42,6 +42,7 @@ class MLATokenKVPool:
         # MHA-pool vocabulary, so code that sizes or describes a pool reads either kind the same way
         self.num_kv_heads = 1
         self.head_dim = self.latent_dim
+        self.v_head_dim = kv_lora_rank  # absorbed attention's values are the latent's c_kv part
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)

@@ -1,0 +1,129 @@
+"""MLA decode (absorbed weights) as split-KV flash-decoding over the paged latent cache.
+
+Each cached token holds one latent row [c_kv (R), k_pe (DR)] shared by every head. The query of head h
+is [q_nope_h W_UK_h (R), q_pe_h (DR)], so a score is q_lat . c + q_pe . k_pe and the value is c itself:
+stage 1 loads each latent tile ONCE and uses it twice, as the keys of both dots and (transposed) as the
+values, for a block of heads (the rows of one tl.dot) and one split of a request's keys, writing the
+split's normalised latent output and log2-sum-exp; stage 2 (the MHA decode's merge kernel, shared)
+merges the splits. The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to
+1024. Slots come from `kv_indices`, so any page size works; fp8 latents dequantize in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_compute, online_softmax_step, padded_dim
+from sglx.attention.kernels.decode_attention import _decode_stage2, _split_range, choose_num_kv_splits
+
+__all__ = ["MLADecodeConfig", "choose_num_kv_splits", "mla_decode_attention"]
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters of stage 1; None picks defaults for the device (not yet tuned on a GPU)."""
+
+    block_h: int = 16  # heads per program (the rows of each tl.dot)
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    min_chunk: int = 64  # fewest keys a split is worth
+    waves: int = 4  # stage-1 programs aimed at per SM when choosing the number of splits
+
+
+@triton.jit
+def _mla_decode_stage1(
+    Q, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse,
+    qk_scale, v_scale, max_splits, min_chunk,
+    stride_qt, stride_qh, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = tl.load(Kv_Indptr + b)
+    seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
+    lo, hi, _ = _split_range(seq_len, 0, split, max_splits, min_chunk, BLOCK_N)
+    if lo < hi:
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < H
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_DR)
+        r_mask = offs_r < R
+        p_mask = offs_p < DR
+        q_row = Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q_lat = tl.load(q_row + offs_r[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0)
+        q_pe = tl.load(q_row + R + offs_p[None, :], mask=head_mask[:, None] & p_mask[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+            rows = Kv_Buf + slots[None, :] * stride_kt
+            c = tl.load(rows + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [R, N]
+            c = kv_tile_to_compute(c, FMT, False, q_lat.dtype)
+            k_pe = tl.load(rows + R + offs_p[:, None], mask=n_mask[None, :] & p_mask[:, None], other=0.0)
+            k_pe = kv_tile_to_compute(k_pe, FMT, False, q_lat.dtype)
+            qk = dot(q_lat, c, IEEE) + dot(q_pe, k_pe, IEEE)
+            p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale, 0.0, True, False)
+            acc = acc * alpha[:, None] + dot(p.to(c.dtype), tl.trans(c), IEEE)
+            m_i = m_new
+
+        out = acc / l_i[:, None] * v_scale
+        o_row = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
+        tl.store(o_row + offs_r[None, :], out, mask=head_mask[:, None] & r_mask[None, :])
+        tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
+
+
+def _launch(config: MLADecodeConfig, interpret: bool) -> tuple[int, int, int]:
+    if interpret:
+        return config.block_n or 16, 1, 1
+    return config.block_n or 32, config.num_warps or 4, config.num_stages or (1 if torch.version.hip else 2)
+
+
+def mla_decode_attention(
+    q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, scaling: float, kv_lora_rank: int, *, kv_scale: float = 1.0,
+    fp8_dtype: torch.dtype | None = None, config: MLADecodeConfig = MLADecodeConfig(), interpret: bool = False,
+) -> torch.Tensor:
+    """q [bs, H, R + DR] (absorbed query), kv_buffer [slots, 1, R + DR] (one layer's latents, or their fp8
+    bits) -> out [bs, H, R], the attention output in latent space (apply W_UV after).
+
+    mid_o [bs, H, max_splits, R] and mid_lse [bs, H, max_splits] (float32) are scratch whose split
+    dimension sets `max_splits`."""
+    bs, h, dim = q.shape
+    r = kv_lora_rank
+    dr = dim - r
+    if bs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_buffer.stride(-1) != 1 or kv_buffer.shape[-1] != dim:
+        raise ValueError(f"latent buffer {tuple(kv_buffer.shape)} does not match the query width {dim}")
+    max_splits = mid_lse.shape[-1]
+    block_n, num_warps, num_stages = _launch(config, interpret)
+    block_h = min(config.block_h, max(16, triton.next_power_of_2(h)))
+    _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
+        q, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
+        scaling * kv_scale * LOG2E, float(kv_scale), max_splits, config.min_chunk,
+        q.stride(0), q.stride(1), kv_buffer.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        H=h, BLOCK_H=block_h, R=r, DR=dr, BLOCK_R=padded_dim(r), BLOCK_DR=padded_dim(dr), BLOCK_N=block_n,
+        FMT=kv_format(fp8_dtype), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_stage2[(bs, h)](
+        mid_o, mid_lse, out, kv_indptr, 0, max_splits, config.min_chunk,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        DV=r, BLOCK_DV=padded_dim(r), BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_N=block_n,
+        num_warps=4 if not interpret else 1,
+    )
+    return out

@@ -1,0 +1,146 @@
+"""MLA Triton kernels and the triton MLA backend vs float64, run only under TRITON_INTERPRET=1.
+
+tests/test_triton_mla.py launches this module in a child pytest. Latents live on shuffled pages; the
+decode kernel runs several splits and head blocks (heads not a multiple of the block, latent widths not
+powers of two); the backend replays extend (cached prefixes), decode and mixed steps next to torch_native.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
+    pytest.skip("run through tests/test_triton_mla.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr  # noqa: E402
+from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention  # noqa: E402
+from sglx.attention.llm.base import BackendContext  # noqa: E402
+from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections, absorb_q, apply_uv  # noqa: E402
+from sglx.attention.llm.mla_reference import reference_mla  # noqa: E402
+from sglx.attention.llm.torch_native_mla import TorchNativeMLABackend  # noqa: E402
+from sglx.attention.llm.triton_mla import TritonMLABackend  # noqa: E402
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sglx.llm.kv_cache import ReqToTokenPool  # noqa: E402
+from sglx.llm.mla_kv_cache import MLATokenKVPool  # noqa: E402
+
+
+class Latents:
+    """Requests' latents on shuffled pages of a one-layer MLA pool."""
+
+    def __init__(self, lens, page, r, dr, dtype, kv_cache_dtype="auto", seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.gen, self.r, self.dr = gen, r, dr
+        num_slots = (sum(-(-n // page) for n in lens) + 2) * page
+        self.r2t = ReqToTokenPool(len(lens) + 1, max(lens) + page)
+        self.pool = MLATokenKVPool(num_slots, page, 1, r, dr, dtype, kv_cache_dtype)
+        pages = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
+        self.rows = []
+        self.latents = []
+        for n in lens:
+            row = self.r2t.alloc()
+            mine = [pages.pop() for _ in range(-(-n // page))]
+            self.r2t.req_to_token[row, :n] = torch.tensor([p * page + j for p in mine for j in range(page)][:n],
+                                                          dtype=torch.int32)
+            self.rows.append(row)
+            self.latents.append(torch.randn(n, r + dr, generator=gen).to(dtype))
+
+    def slots(self, i, lo, hi):
+        return self.r2t.req_to_token[self.rows[i], lo:hi].long()
+
+    def store(self, i, lo, hi):
+        lat = self.latents[i][lo:hi]
+        self.pool.set_latent(0, self.slots(i, lo, hi), lat[:, :self.r], lat[:, self.r:])
+
+    def stored(self, i, n):
+        return self.pool.get_latent(0, self.slots(i, 0, n), torch.float64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("page,heads,r,dr,splits", [(1, 4, 32, 8, 1), (16, 20, 48, 16, 3), (4, 16, 64, 8, 4)])
+def test_mla_decode_kernel_matches_float64(page, heads, r, dr, splits, kv_cache_dtype):
+    lens = [1, 37, 90]
+    c = Latents(lens, page, r, dr, torch.float32, kv_cache_dtype, seed=page)
+    for i, n in enumerate(lens):
+        c.store(i, 0, n)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    kv_indices = torch.zeros(sum(lens), dtype=torch.int32)
+    build_kv_indices(c.r2t.req_to_token, torch.tensor(c.rows), kv_indptr, kv_indices)
+    q = torch.randn(len(lens), heads, r + dr, generator=c.gen)
+    out = torch.full((len(lens), heads, r), float("nan"))
+    mid_o = torch.empty(len(lens), heads, splits, r)
+    mid_lse = torch.empty(len(lens), heads, splits)
+    scale = 0.8 * (r + dr) ** -0.5
+    mla_decode_attention(q, c.pool.kv_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, r,
+                         kv_scale=c.pool.kv_scale[0], fp8_dtype=c.pool.fp8_dtype,
+                         config=MLADecodeConfig(min_chunk=16), interpret=True)
+    for i, n in enumerate(lens):
+        lat = c.stored(i, n)
+        scores = torch.einsum("hd,ld->hl", q[i].double(), lat) * scale
+        ref = torch.softmax(scores, -1) @ lat[:, :r]
+        assert (out[i].double() - ref).abs().max().item() < 2e-5, i
+
+
+H, DN, DR, DV, R = 4, 16, 8, 12, 32
+SPEC = MLALayerSpec(0, H, DN, DR, DV, R, 0.7 * (DN + DR) ** -0.5)
+PREFIX = [0, 13, 37]
+STEPS = [(ForwardMode.EXTEND, [21, 6, 1]), (ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.MIXED, [1, 4, 1]),
+         (ForwardMode.DECODE, [1, 1, 1])]
+
+
+def _batch(c, mode, lo, new, backend):
+    hi = [a + n for a, n in zip(lo, new)]
+    extend = mode.is_extend
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
+        positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
+        req_pool_indices=torch.tensor(c.rows), seq_lens=torch.tensor(hi),
+        out_cache_loc=torch.cat([c.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))]),
+        req_to_token_pool=c.r2t, token_kv_pool=c.pool, attn_backend=backend, seq_lens_cpu=hi,
+        extend_seq_lens_cpu=list(new) if extend else [], extend_prefix_lens_cpu=list(lo) if extend else [],
+    )
+
+
+@pytest.mark.parametrize("page,kv_cache_dtype", [(1, "auto"), (16, "auto"), (4, "fp8_e4m3")])
+def test_triton_mla_backend_matches_torch_native_and_float64(page, kv_cache_dtype):
+    total = [p + sum(n[i] for _, n in STEPS) for i, p in enumerate(PREFIX)]
+    ours, theirs = (Latents(total, page, R, DR, torch.float32, kv_cache_dtype, seed=7) for _ in range(2))
+    backends = []
+    for c, cls in ((ours, TritonMLABackend), (theirs, TorchNativeMLABackend)):
+        for i, p in enumerate(PREFIX):
+            if p:
+                c.store(i, 0, p)
+        backends.append(cls(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, c.r2t, c.pool)))
+    gen = torch.Generator().manual_seed(1)
+    proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5, SPEC)
+    lo = list(PREFIX)
+    for mode, new in STEPS:
+        q_nope = torch.randn(sum(new), H, DN, generator=gen)
+        q_pe = torch.randn(sum(new), H, DR, generator=gen)
+        latent = torch.cat([lat[a:a + n] for lat, a, n in zip(ours.latents, lo, new)])
+        outs = []
+        for c, backend in zip((ours, theirs), backends):
+            batch = _batch(c, mode, lo, new, backend)
+            backend.init_forward_metadata(batch)
+            outs.append(backend.forward_mla(q_nope, q_pe, latent[:, :R], latent[:, R:], SPEC, proj, batch))
+        assert torch.equal(ours.pool.kv_buffer[0], theirs.pool.kv_buffer[0])
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+        offset = 0
+        for i, (a, n) in enumerate(zip(lo, new)):
+            ref = reference_mla(q_nope[offset:offset + n], q_pe[offset:offset + n], ours.stored(i, a + n),
+                                proj.w_uk, proj.w_uv, torch.arange(a, a + n), SPEC.scaling)
+            assert (outs[0][offset:offset + n].double() - ref).abs().max().item() < 2e-5
+            offset += n
+        lo = [a + n for a, n in zip(lo, new)]
+
+
+def test_absorbed_decode_helpers_round_trip():
+    """absorb_q / apply_uv are the bmm forms of the einsums the reference uses."""
+    gen = torch.Generator().manual_seed(2)
+    proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen), SPEC)
+    q = torch.randn(3, H, DN, generator=gen)
+    torch.testing.assert_close(absorb_q(q, proj), torch.einsum("thd,hdr->thr", q, proj.w_uk))
+    o = torch.randn(3, H, R, generator=gen)
+    torch.testing.assert_close(apply_uv(o, proj), torch.einsum("thr,hvr->thv", o, proj.w_uv))
