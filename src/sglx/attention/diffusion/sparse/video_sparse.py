@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
@@ -65,17 +66,25 @@ def cube_order(meta: DiTAttnMetadata) -> TileOrder:
     return tile_order(meta.grid, CUBE, meta.text_tokens, meta.text_position != "suffix", CUBE_TOKENS)
 
 
-def vsa_block_mask(scores: torch.Tensor, order: TileOrder, sparsity: float) -> torch.Tensor:
-    """bool [B, H, nb, nb] from cube scores [B, H, nb, nb]: every block row keeps its top-k cube columns; text
-    blocks (rows and columns) are always kept."""
-    text = on_device(order.block_tile, scores.device) < 0
+def vsa_layout(scores: torch.Tensor, order: TileOrder, sparsity: float) -> BlockSparseLayout:
+    """Key-block lists from cube scores [B, H, nb, nb]: every cube row lists its top-k cubes and the text blocks
+    (ascending), every text row lists all blocks. Built directly from the top-k indices: no [nb x nb] sort."""
+    device = scores.device
+    text = on_device(order.block_tile, device) < 0
     cubes = torch.nonzero(~text).squeeze(1)
+    text_ids = torch.nonzero(text).squeeze(1)
     topk = compute_topk(sparsity, int(cubes.numel()))
-    picked = scores.index_select(-1, cubes).topk(topk, dim=-1).indices
-    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    mask.scatter_(-1, cubes[picked], True)
-    mask |= text[None, None, None, :] | text[None, None, :, None]
-    return mask
+    b, h, nb, _ = scores.shape
+    picked = cubes[scores.index_select(-1, cubes).topk(topk, dim=-1).indices]  # [B, H, nb, topk]
+    rows = torch.cat([picked, text_ids.expand(b, h, nb, -1)], -1).sort(-1).values
+    counts = torch.full((b, h, nb), rows.shape[-1], dtype=torch.int32, device=device)
+    if text_ids.numel():  # text rows attend every block
+        rows = F.pad(rows, (0, nb - rows.shape[-1]), value=-1)
+        rows[:, :, text_ids] = torch.arange(nb, device=device)
+        counts[:, :, text_ids] = nb
+    lengths = None if order.k_lengths is None else on_device(order.k_lengths, device)
+    return BlockSparseLayout(order.block, order.block, order.slots, rows.to(torch.int32).contiguous(), counts,
+                             lengths)
 
 
 @dataclass(frozen=True)
@@ -93,10 +102,7 @@ def vsa_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, sparsity: 
     qc = block_means(to_order(q, order), order)
     kc = block_means(to_order(k, order), order, heads=q.shape[2])
     scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc) * scale
-    mask = vsa_block_mask(scores, order, sparsity)
-    lengths = None if order.k_lengths is None else on_device(order.k_lengths, q.device)
-    layout = BlockSparseLayout.from_block_mask(mask, order.block, order.block, order.slots, lengths)
-    return VSAPlan(order, layout, scores)
+    return VSAPlan(order, vsa_layout(scores, order, sparsity), scores)
 
 
 def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
