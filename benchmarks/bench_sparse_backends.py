@@ -52,6 +52,35 @@ def work(layout, seq_len: int) -> float:
     return round(pairs * layout.q_block * layout.k_block / seq_len ** 2, 4)
 
 
+def upstream_vsa(qs, ks, vs, plan, ours: torch.Tensor, scale: float, device: torch.device, record) -> None:
+    """FastVideo's VSA (fastvideo_kernel, where installed) on the same cube-ordered tokens: a same-run anchor.
+
+    Its tile order is ours (cubes row-major, tokens row-major inside, padding at each cube's end); it pools over
+    zero padding, so padding slots are zeroed first. A zero compress gate leaves its fine branch alone, which is
+    what sglx's backend computes; selection may differ where bf16 cube scores nearly tie."""
+    try:
+        from fastvideo_kernel import video_sparse_attn
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor here
+        print(f"upstream VSA skipped: {type(exc).__name__}: {exc}", flush=True)
+        return
+    from sglx.attention.diffusion.sparse.tiled import real_slots
+    from sglx.attention.diffusion.sparse.video_sparse import compute_topk
+
+    real = real_slots(plan.order).reshape(-1).to(device)
+    sizes = real.view(plan.order.num_blocks, -1).sum(1).long()
+    args = [(t * real[None, :, None, None].to(t.dtype)).transpose(1, 2).contiguous() for t in (qs, ks, vs)]
+    gate = torch.zeros_like(args[0])
+    topk = compute_topk(0.875, plan.order.num_blocks)
+
+    def run() -> torch.Tensor:
+        return video_sparse_attn(*args, sizes, sizes, topk, block_size=(4, 4, 4), compress_attn_weight=gate)
+
+    got = run().transpose(1, 2)
+    keep = real.bool()
+    err = rel_err(got[:, keep], ours[:, keep].double())
+    record("upstream fastvideo_kernel VSA 0.875 (same cube order)", bench(run, device), rel_err_vs_sglx=err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -88,6 +117,7 @@ def main() -> None:
                                                     device), **extra)
     record("video_sparse_attn 0.875: whole call", bench(lambda: vsa.forward(q, k, v, scale=scale, meta=meta),
                                                         device), **extra)
+    upstream_vsa(qs, ks, vs, plan, out, scale, device, record)
 
     vmoba = VMoBABackend({})
     for layer, kind in enumerate(("temporal", "spatial", "st")):
