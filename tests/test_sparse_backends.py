@@ -419,6 +419,21 @@ def test_svg2_backend_matches_reference_with_its_own_plan_and_warm_starts(monkey
     assert calls == [(6, 7, True), (10, 7, True), (6, 2, False), (10, 2, False), (6, 7, True), (10, 7, True)]
 
 
+def test_svg2_zero_step_kmeans_init_clusters_during_dense_steps(monkeypatch):
+    meta = make_meta((3, 4, 5), step=0, steps=4, layers=1)
+    q, k, v = qkv(meta)
+    calls = []
+    real = svg2_module.kmeans
+    monkeypatch.setattr(svg2_module, "kmeans", lambda x, c, iters, init=None, **kw: (
+        calls.append((iters, init is None)), real(x, c, iters, init, **kw))[1])
+    backend = SparseVideoGen2Backend({"num_q_centroids": 4, "num_k_centroids": 4, "first_times_fp": 0.5,
+                                      "first_layers_fp": 0.0, "kmeans_iter_init": 6, "zero_step_kmeans_init": True})
+    out = backend.forward(q, k, v, scale=0.3, meta=meta, layer=0)  # dense step (2 of 4), but clusters
+    assert torch.allclose(out, dense(q, k, v, 0.3)) and backend.last_plan is None
+    backend.forward(q, k, v, scale=0.3, meta=meta.at_step(2), layer=0)  # first sparse step starts warm
+    assert calls == [(6, True), (6, True), (2, False), (2, False)]
+
+
 def test_svg2_top_p_one_and_full_fractions_are_dense():
     meta = make_meta((3, 4, 5), 3, "suffix", step=2, steps=3, layers=2)
     q, k, v = qkv(meta)
