@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -612,3 +613,45 @@ def test_gpu_bf16_matches_float64_under_the_same_plan(name, dim):
     assert plan.layout.density() < 0.9
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err <= 2e-2, err
+
+
+@pytest.mark.parametrize(("name", "config"), [
+    ("video_sparse_attn", "sparsity=0.5"),
+    ("vmoba_attn", "first_full_step=1,spatial_chunk_size=[2,2],st_chunk_size=[1,2,4]"),
+    ("sparse_video_gen_2_attn", "first_times_fp=0.5,num_q_centroids=3,num_k_centroids=6,top_p_kmeans=0.4,"
+                                "min_kc_ratio=0.0,first_layers_fp=0.0"),
+])
+def test_tiny_flux_end_to_end_with_a_text_prefix(tmp_path, monkeypatch, name, config):
+    """FLUX's joint attention puts the text tokens before the image tokens: they attend and are attended fully."""
+    pytest.importorskip("diffusers")
+    from diffusion_test_utils import make_tiny_flux
+    from sglx.attention.registry import find
+    from sglx.diffusion.engine import DiffusionEngine
+    from sglx.diffusion.request import DiffusionRequest
+    from sglx.llm.engine_config import EngineConfig
+
+    cls = find(name, "diffusion", "dit").load()  # type: ignore[union-attr]
+    original = cls.forward
+    seen: list[tuple[int, tuple, int, float]] = []
+
+    def spy(self, q, k, v, *, scale=None, meta=None, layer=0):
+        out = original(self, q, k, v, scale=scale, meta=meta, layer=layer)
+        diff = (out - self.forward_dense(q, k, v, scale=scale)).abs().max().item()
+        seen.append((meta.step_index, meta.grid, meta.text_tokens, diff))
+        return out
+
+    monkeypatch.setattr(cls, "forward", spy)
+    flux = make_tiny_flux(tmp_path / "flux")
+    engine = DiffusionEngine(EngineConfig(model_path=str(flux), device="cpu", attention_backend=name,
+                                          attention_backend_config=config))
+    req = DiffusionRequest(prompt="a red circle", height=64, width=128, num_inference_steps=2, guidance_scale=3.5,
+                           seed=2)
+    out = engine.generate(req)
+    assert np.isfinite(np.asarray(out.frames, dtype=np.float32)).all()
+    assert {g for _, g, _, _ in seen} == {(1, 4, 8)} and min(t for _, _, t, _ in seen) > 0
+    assert len(seen) == 6  # 3 layers x 2 steps
+    dense_step = [d for s, _, _, d in seen if s == 0]
+    sparse_step = [d for s, _, _, d in seen if s == 1]
+    if name != "video_sparse_attn":  # VSA has no dense warm-up
+        assert max(dense_step) == 0.0
+    assert max(sparse_step) > 1e-4
