@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from sglx.attention.llm.base import AttentionBackend
     from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
 
 
 class ForwardMode(enum.Enum):
@@ -44,7 +45,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [bs]
     out_cache_loc: torch.Tensor  # [num_tokens] KV slots where this step's K/V are written
     req_to_token_pool: ReqToTokenPool
-    token_kv_pool: TokenKVPool
+    token_kv_pool: TokenKVPool | MLATokenKVPool  # per-head K/V, or one latent per token for MLA models
     attn_backend: AttentionBackend | None = None
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)

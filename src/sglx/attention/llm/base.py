@@ -16,6 +16,7 @@ import torch
 
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+from sglx.llm.mla_kv_cache import MLATokenKVPool
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class BackendContext:
     head_dim: int
     page_size: int
     req_to_token_pool: ReqToTokenPool
-    token_kv_pool: TokenKVPool
+    token_kv_pool: TokenKVPool | MLATokenKVPool  # MLA backends get the latent pool
     config: Mapping[str, Any] = field(default_factory=dict)
 
 
