@@ -133,8 +133,10 @@ def test_vsa_layout_and_output_match_brute_force(grid, text, position, sparsity)
 def test_vsa_sparsity_zero_is_dense_and_topk_rule():
     meta = make_meta((5, 6, 7), 5, "prefix")
     q, k, v = qkv(meta)
-    out = VideoSparseAttentionBackend({}).forward(q, k, v, scale=0.3, meta=meta)
+    out = VideoSparseAttentionBackend({}).forward(q, k, v, scale=0.3, meta=meta)  # runs SDPA: the same
     assert torch.allclose(out, dense(q, k, v, 0.3), atol=1e-12)
+    kernel_path = video_sparse_attention(q, k, v, meta, 0.0, 0.3)  # every cube listed, through the layout
+    assert torch.allclose(kernel_path, dense(q, k, v, 0.3), atol=1e-12)
     assert [compute_topk(s, 10) for s in (0.0, 0.5, 0.87, 0.99)] == [10, 5, 2, 1]
 
 

@@ -13,7 +13,8 @@ Combination, as FastVideo's `video_sparse_attn`: `out = out_fine + gate_compress
 a learned per-token projection (`to_gate_compress`) that only VSA-trained checkpoints carry. FastVideo's
 loader zero-initialises a missing gate, so on a stock checkpoint (every model sglx runs today) the coarse
 branch adds nothing and the output is the fine branch alone; `video_sparse_attention(..., gate_compress=g)`
-computes the gated sum for a caller that has a gate. Hence sparsity 0.0 is exactly dense attention.
+computes the gated sum for a caller that has a gate. Hence sparsity 0.0 is exactly dense attention, and the
+backend runs it as such (SDPA) whenever every cube keeps every cube.
 
 Calls without step metadata (plain module calls, `sglx doctor --check`) and cross-attention run dense.
 """
@@ -96,13 +97,25 @@ class VSAPlan:
     scores: torch.Tensor  # [B, H, nb, nb] coarse cube scores (scaled)
 
 
-def vsa_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, sparsity: float, scale: float) -> VSAPlan:
-    """Pool q and k (input order [B, S, H, D]) per cube and pick the cubes every query cube attends."""
-    order = cube_order(meta)
-    qc = block_means(to_order(q, order), order)
-    kc = block_means(to_order(k, order), order, heads=q.shape[2])
+def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, sparsity: float, scale: float) -> VSAPlan:
+    """Pool q and k (already in cube order [B, slots, H, D]) per cube; pick the cubes every query cube attends."""
+    qc = block_means(qs, order)
+    kc = block_means(ks, order, heads=qs.shape[2])
     scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc) * scale
     return VSAPlan(order, vsa_layout(scores, order, sparsity), scores)
+
+
+def vsa_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, sparsity: float, scale: float) -> VSAPlan:
+    """The plan for q and k in input order [B, S, H, D]."""
+    order = cube_order(meta)
+    return plan_ordered(to_order(q, order), to_order(k, order), order, sparsity, scale)
+
+
+def keeps_everything(meta: DiTAttnMetadata, sparsity: float) -> bool:
+    """Whether every query cube keeps every cube: VSA is then exactly dense attention."""
+    order = cube_order(meta)
+    cubes = int((order.block_tile >= 0).sum())
+    return compute_topk(sparsity, cubes) == cubes
 
 
 def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
@@ -113,8 +126,9 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     `gate_compress` [B, S, Hq, D] (a VSA-trained model's to_gate_compress output) adds the gated coarse branch;
     None means a zero gate: the fine branch alone."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    plan = vsa_plan(q, k, meta, sparsity, scale)
-    qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
+    order = cube_order(meta)
+    qs, ks, vs = (to_order(t, order) for t in (q, k, v))
+    plan = plan_ordered(qs, ks, order, sparsity, scale)
     out = from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
     if gate_compress is None:
         return out
@@ -140,6 +154,8 @@ class VideoSparseAttentionBackend(SparseDiTBackend):
             return self.forward_dense(q, k, v, scale=scale)
         check_qkv(q, k, v)
         self.check_sequence(q, k, meta)
+        if keeps_everything(meta, self.vsa.sparsity):  # sparsity 0, or a single cube: the same as dense
+            return self.forward_dense(q, k, v, scale=scale)
         return video_sparse_attention(q, k, v, meta, self.vsa.sparsity, scale)
 
 

@@ -253,8 +253,15 @@ def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMo
     box = cfg.chunk_box(kind, meta.grid)
     block = block or chunk_block(box[0] * box[1] * box[2], q.device)
     order = chunk_order(meta.grid, box, meta.text_tokens, meta.text_position != "suffix", block)
-    qb = block_means(to_order(q, order), order)  # [B, H, nb, D]
-    kc = chunk_means(to_order(k, order), order, q.shape[2])  # [B, H, C, D]
+    return plan_ordered(to_order(q, order), to_order(k, order), order, cfg, kind)
+
+
+def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, cfg: VMoBAConfig, kind: ChunkKind
+                 ) -> VMoBAPlan:
+    """The plan from q and k already in chunk order [B, slots, H, D]."""
+    block, q = order.block, qs
+    qb = block_means(qs, order)  # [B, H, nb, D]
+    kc = chunk_means(ks, order, q.shape[2])  # [B, H, C, D]
     gate = torch.einsum("bhnd,bhcd->bhnc", qb.double(), kc.double())
     tile = on_device(order.block_tile, q.device)
     text = tile < 0
@@ -292,8 +299,14 @@ class VMoBABackend(SparseDiTBackend):
             return self.forward_dense(q, k, v, scale=scale)
         check_qkv(q, k, v)
         self.check_sequence(q, k, meta)
-        plan = vmoba_plan(q, k, meta, self.vmoba, kind)
-        qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
+        cfg = self.vmoba
+        box = cfg.chunk_box(kind, meta.grid)  # checks the user's chunk sizes against the grid
+        if cfg.moba_threshold >= 1.0 and cfg.moba_select_mode == "threshold":
+            return self.forward_dense(q, k, v, scale=scale)  # every chunk kept: exactly dense
+        order = chunk_order(meta.grid, box, meta.text_tokens, meta.text_position != "suffix",
+                            chunk_block(box[0] * box[1] * box[2], q.device))
+        qs, ks, vs = (to_order(t, order) for t in (q, k, v))
+        plan = plan_ordered(qs, ks, order, cfg, kind)
         return from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
 
 
