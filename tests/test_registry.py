@@ -31,7 +31,8 @@ MHA_NAMES = {"flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attenti
 MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "triton", "fa4", "ascend", "torch_native"}
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
-IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mla", "torch_native"),
+IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mha", "flex_attention"),
+               ("llm", "mla", "torch_native"),
                ("llm", "mla", "triton"),
                ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
@@ -109,7 +110,6 @@ MHA_MATRIX = {
     "flashinfer": (True, True, False, True, True, True, False),
     "fa3": (True, True, False, True, True, True, True),
     "fa4": (True, False, True, True, True, False, True),
-    "flex_attention": (False, False, True, False, False, False, False),
     "trtllm_mha": (True, True, True, True, False, True, False),
     "dual_chunk_flash_attn": (True, False, False, False, False, False, False),
     "aiter": (True, True, False, True, True, True, True),
@@ -171,6 +171,21 @@ def test_triton_declares_what_sglx_implements() -> None:
     assert f.cuda_graph
 
 
+def test_flex_attention_declares_what_sglx_implements() -> None:
+    """sglx's flex backend reads pages in place (any size) and masks sliding windows; no fp8/fp4 KV, spec or graphs.
+
+    SGLang's matrix row (no native paging, fp4 KV) describes SGLang's backend, not this one.
+    """
+    s = spec("llm", "mha", "flex_attention")
+    f = s.features
+    assert isinstance(f, LLMFeatures) and s.implemented
+    got = (f.native_paging, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1, f.sliding_window, f.multimodal)
+    assert got == (True, False, False, False, False, True, False)
+    assert f.page_sizes is None and not f.cuda_graph
+    assert not s.load().supports_cuda_graph
+    assert [p.name for p in s.config] == ["compile"]
+
+
 # The seeds' hard page-size constraints: (kind, backend, machine, allowed sizes or None = any)
 PAGE_RULES = [
     ("mha", "fa4", "h100", (128,)), ("mha", "fa4", "b200", None),
@@ -180,7 +195,7 @@ PAGE_RULES = [
     ("mla", "trtllm_mla", "b200", (32, 64)), ("mla", "flashinfer", "h100", (1,)),
     ("mla", "fa4", "b200", None),  # native 1, but the seeds pair fa4 prefill with trtllm_mla (32/64) decode
     ("mha", "flashinfer", "h100", None), ("mha", "fa3", "h100", None), ("mha", "triton", "h100", None),
-    ("mha", "torch_native", "cpu", None), ("mla", "triton", "h100", None), ("mla", "fa3", "h100", None),
+    ("mha", "torch_native", "cpu", None), ("mha", "flex_attention", "cpu", None), ("mla", "triton", "h100", None), ("mla", "fa3", "h100", None),
 ]
 
 

@@ -6,7 +6,7 @@ declares, they are SGLang's published support matrix (the reference users know).
 
 from __future__ import annotations
 
-from sglx.attention.registry import BackendSpec, LLMFeatures, PageSizeRule, register
+from sglx.attention.registry import BackendSpec, ConfigParam, LLMFeatures, PageSizeRule, register
 from sglx.attention.requirements import (
     Capability,
     CapabilityIn,
@@ -72,10 +72,17 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="flex_attention", family="llm", kind="mha", title="FlexAttention (PyTorch)",
-    summary="torch.nn.attention.flex_attention with block masks.",
+    summary="torch.nn.attention.flex_attention reading K/V in place from the paged pool through block masks.",
     requires=(TorchAtLeast((2, 5)),),
-    features=LLMFeatures(native_paging=False, fp8_kv=False, fp4_kv=True, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=False, multimodal=False),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=False, cuda_graph=False),
+    config=(ConfigParam("compile", "str", "Run flex_attention through torch.compile: auto (on CUDA only), on, "
+                        "off. CPU compiles static shapes only (each new batch shape recompiles).",
+                        default="auto"),),
+    factory="sglx.attention.llm.flex:FlexAttentionBackend",
+    notes="sglx's flex backend: one flex_attention call per layer over the pool's own K/V (any page size, "
+          "prefix hits, GQA, sliding window, logit soft-cap); compiled on CUDA, eager elsewhere; no fp8 KV "
+          "(flex reads the pool's dtype), no CUDA graphs (block masks are rebuilt every step).",
 ))
 
 register(BackendSpec(

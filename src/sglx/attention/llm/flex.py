@@ -1,0 +1,192 @@
+"""flex_attention: PyTorch FlexAttention reading K/V in place from the paged pool through block masks.
+
+Each step plans once (`init_forward_metadata`): the step's keys as (request, position, slot) from
+`req_to_token`, the inverse slot -> position table, and lazily per sliding window one `BlockMask`
+(flex_masks.py). Every layer then makes ONE flex_attention call: extend packs all new tokens as
+[1, Hq, T] queries (prefix + causal among themselves, several requests per call), decode runs
+[bs, Hq, 1] queries against the pool broadcast over the batch. GQA is flex's own (enable_gqa), the
+logit soft-cap a score_mod, sliding windows part of the mask.
+
+Compiled (`compile=on`, the default on CUDA) the keys are the whole pool and the fused kernel visits
+only the listed key blocks. Eager (`compile=off`, the default elsewhere) flex materializes the scores
+over every key it is given, so the keys are the smallest pool range the step touches (still a view,
+never a gather). On CPU the compiled path works with static shapes only (each new batch shape
+recompiles, ~20 s on two cores; dynamic shapes hit an Inductor C++ bug in torch 2.13), hence eager there.
+No fp8 KV (flex takes the pool's dtype as is) and no CUDA graphs (the block mask is rebuilt per step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.attention.llm.flex_masks import (
+    KVWindow,
+    StepTables,
+    decode_block_mask,
+    extend_block_mask,
+    kv_tokens,
+    slot_positions,
+    soft_cap_score_mod,
+    touched_window,
+)
+from sglx.errors import BackendUnavailableError, ConfigError
+from sglx.llm.forward_batch import ForwardBatch
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+# Eager is chosen knowingly where compiling does not pay (CPU); torch's advice to compile is noise there.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+
+def _flex_extend(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return flex_attention(*args, **kwargs)
+
+
+def _flex_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return flex_attention(*args, **kwargs)
+
+
+@lru_cache(maxsize=4)
+def _compiled_flex(decode: bool, dynamic: bool) -> Callable:
+    """One compiled flex_attention per phase and process, shared by every backend instance and layer.
+
+    Two wrappers, so extend and decode keep separate dynamo caches (and recompile limits).
+    """
+    return torch.compile(_flex_decode if decode else _flex_extend, dynamic=dynamic)
+
+
+def resolve_compile(setting: object, device: torch.device) -> bool:
+    """`compile` config value -> whether to run flex_attention compiled on this device."""
+    value = str(setting).strip().lower() if setting is not None else "auto"
+    if value in ("true", "1", "yes"):
+        value = "on"
+    if value in ("false", "0", "no"):
+        value = "off"
+    if value not in COMPILE_CHOICES:
+        raise ConfigError(f"flex_attention config compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)} "
+                          "(auto compiles on CUDA and runs eager elsewhere)")
+    return device.type == "cuda" if value == "auto" else value == "on"
+
+
+@dataclass
+class _Step:
+    """One step's plan; block masks are built on first use per sliding window and reused by later layers."""
+
+    decode: bool
+    window: KVWindow
+    tables: StepTables
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    seq_lens: list[int]
+    qo_indptr: list[int]
+    prefix_lens: list[int]
+    masks: dict[int | None, BlockMask] = field(default_factory=dict)
+
+    def block_mask(self, sliding_window: int | None) -> BlockMask:
+        if sliding_window not in self.masks:
+            if self.decode:
+                mask = decode_block_mask(self.tables, self.window, self.kv, self.seq_lens, sliding_window)
+            else:
+                mask = extend_block_mask(self.tables, self.window, self.kv, self.qo_indptr, self.prefix_lens,
+                                         sliding_window)
+            self.masks[sliding_window] = mask
+        return self.masks[sliding_window]
+
+
+class FlexAttentionBackend(AttentionBackend):
+    name = "flex_attention"
+    supports_cuda_graph = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        if ctx.token_kv_pool.is_fp8:
+            raise BackendUnavailableError(
+                f"attention backend flex_attention cannot read an fp8 KV cache (--kv-cache-dtype "
+                f"{ctx.token_kv_pool.kv_cache_dtype}); use --kv-cache-dtype auto, or --attention-backend "
+                "triton or torch_native for fp8 KV")
+        self.compiled = resolve_compile(ctx.config.get("compile", "auto"), ctx.device)
+        # CPU Inductor compiles flex only with static shapes (dynamic ones fail to build in torch 2.13)
+        dynamic = ctx.device.type == "cuda"
+        self._flex = {phase: _compiled_flex(phase, dynamic) if self.compiled else flex_attention
+                      for phase in (False, True)}
+        self._score_mods: dict[float, Callable] = {}
+        self.step: _Step | None = None
+
+    # ------------------------------------------------------------------ metadata
+    def _window(self, slots: torch.Tensor) -> KVWindow:
+        if self.compiled or slots.numel() == 0:  # whole pool: fixed shapes, the block lists do the skipping
+            return KVWindow(0, int(self.ctx.token_kv_pool.k_buffer[0].shape[0]))
+        return touched_window(slots)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        r2t = batch.req_to_token_pool.req_to_token
+        rows = [int(r) for r in batch.req_pool_indices.tolist()]
+        seq_lens = list(batch.seq_lens_cpu)
+        kv = kv_tokens(r2t, rows, seq_lens)
+        window = self._window(kv[2])
+        device = r2t.device
+        decode = batch.mode.is_decode
+        if decode:
+            q_rows = torch.tensor(rows, dtype=torch.int32, device=device)
+            q_pos = torch.tensor(seq_lens, dtype=torch.int32, device=device) - 1
+            qo_indptr, prefix = list(range(len(rows) + 1)), [s - 1 for s in seq_lens]
+        else:
+            ext, prefix = list(batch.extend_seq_lens_cpu), list(batch.extend_prefix_lens_cpu)
+            lens = torch.tensor(ext, dtype=torch.long, device=device)
+            which = torch.repeat_interleave(torch.arange(len(rows), device=device), lens)
+            starts = torch.cumsum(lens, 0) - lens
+            offset = torch.arange(int(lens.sum()), device=device) - starts[which]
+            q_rows = torch.tensor(rows, dtype=torch.int32, device=device)[which]
+            q_pos = (torch.tensor(prefix, dtype=torch.long, device=device)[which] + offset).to(torch.int32)
+            qo_indptr = [0]
+            for n in ext:
+                qo_indptr.append(qo_indptr[-1] + n)
+        tables = StepTables(r2t, slot_positions(kv[2], kv[1], window), q_rows, q_pos,
+                            torch.tensor(window.base, dtype=torch.int32, device=device))
+        self.step = _Step(decode, window, tables, kv, seq_lens, qo_indptr, prefix)
+
+    # ------------------------------------------------------------------ attention
+    def _score_mod(self, cap: float) -> Callable | None:
+        if cap <= 0:
+            return None
+        if cap not in self._score_mods:
+            self._score_mods[cap] = soft_cap_score_mod(cap)
+        return self._score_mods[cap]
+
+    def _pool_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window of this layer's K/V buffers as [1, Hkv, S, D] views (no copy)."""
+        assert self.step is not None, "init_forward_metadata(batch) must run first"
+        w = self.step.window
+        pool = batch.token_kv_pool
+        k = pool.k_buffer[layer.layer_id][w.base:w.base + w.length]
+        v = pool.v_buffer[layer.layer_id][w.base:w.base + w.length]
+        return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+
+    def _attend(self, q: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        assert self.step is not None, "init_forward_metadata(batch) must run first"
+        keys, values = self._pool_kv(layer, batch)
+        return self._flex[self.step.decode](q, keys, values, score_mod=self._score_mod(layer.logit_cap),
+                          block_mask=self.step.block_mask(layer.sliding_window), scale=layer.scaling,
+                          enable_gqa=layer.num_q_heads != layer.num_kv_heads)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self.save_kv(k, v, layer, batch)
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        out = self._attend(q.transpose(0, 1).unsqueeze(0), layer, batch)  # [1, Hq, T, D]
+        return out[0].transpose(0, 1).contiguous()
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self.save_kv(k, v, layer, batch)
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        return self._attend(q.unsqueeze(2), layer, batch).squeeze(2)  # [bs, Hq, 1, D] -> [bs, Hq, D]

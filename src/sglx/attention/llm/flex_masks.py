@@ -1,0 +1,162 @@
+"""Block masks over the paged KV pool for the flex_attention backend.
+
+The keys flex_attention sees are rows of the pool itself (a window `[base, base + kv_len)` of the
+per-layer K/V buffer), so nothing is gathered: paging lives entirely in the mask. A key row `kv`
+holds slot `s = base + kv`; `slot_pos[kv]` is the position that slot has in the requests of this step
+(-1 if none). A query of request row `r` at position `P` may read slot `s` at position `p` iff
+`0 <= p <= P`, `req_to_token[r, p] == s` (the slot is really this request's, which also holds for a
+radix-shared prefix page) and, with a sliding window `W`, `p > P - W`.
+
+The block lists (`kv_num_blocks`/`kv_indices`) name, per query block, only the key blocks holding a
+slot some query of that block may read, so a compiled kernel visits only those; they are computed
+from the same rule on the host-planned CSR indices, per step, with no per-element loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+Q_BLOCK = 128
+KV_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    """Pool rows the step's keys are taken from: the whole pool (compiled) or the touched range (eager)."""
+
+    base: int
+    length: int
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """Per-step lookup tables the mask reads; built once per step, shared by every layer."""
+
+    req_to_token: torch.Tensor  # [rows, max_context] int32, the live table (read, never copied)
+    slot_pos: torch.Tensor  # [window.length] int32: position of the slot in this step's requests, -1 if none
+    q_row: torch.Tensor  # extend: [T] req_to_token row per packed query; decode: [bs] per batch entry
+    q_pos: torch.Tensor  # same shape: the query's position
+    base: torch.Tensor  # 0-dim int32: window.base (a tensor, so compiled code does not specialize on it)
+
+
+def kv_tokens(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(request index, position, slot) of every key of the step, request after request (CSR order)."""
+    device = req_to_token.device
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    req = torch.repeat_interleave(torch.arange(len(rows), device=device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(int(lens.sum()), device=device) - starts[req]
+    row_of = torch.tensor(rows, dtype=torch.long, device=device)[req]
+    slots = req_to_token[row_of, pos].long()
+    return req, pos, slots
+
+
+def touched_window(slots: torch.Tensor) -> KVWindow:
+    """The smallest pool range holding every slot of the step (eager flex materializes scores over it)."""
+    lo, hi = int(slots.min()), int(slots.max()) + 1
+    return KVWindow(lo, hi - lo)
+
+
+def slot_positions(slots: torch.Tensor, pos: torch.Tensor, window: KVWindow) -> torch.Tensor:
+    """Inverse of req_to_token over the window; a radix-shared slot has one position in every request."""
+    table = torch.full((window.length,), -1, dtype=torch.int32, device=slots.device)
+    table[slots - window.base] = pos.to(torch.int32)
+    return table
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., nq, nk] bool -> (kv_num_blocks [..., nq], kv_indices [..., nq, nk]) with listed blocks first."""
+    counts = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts, order
+
+
+def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      qo_indptr: list[int], prefix_lens: list[int], sliding_window: int | None) -> BlockMask:
+    """Packed queries [1, H, T] over the window: each query block lists the key blocks it may read.
+
+    Key `p` of request i is read by the queries at positions max(p, prefix_i) .. min(last_i, p + W - 1);
+    that is a contiguous run of packed rows, so each key marks a run of query blocks (difference array).
+    """
+    req, pos, slots = kv
+    device = slots.device
+    total_q = qo_indptr[-1]
+    nq = -(-total_q // Q_BLOCK)
+    nk = -(-window.length // KV_BLOCK)
+    qo = torch.tensor(qo_indptr[:-1], dtype=torch.long, device=device)[req]
+    prefix = torch.tensor(prefix_lens, dtype=torch.long, device=device)[req]
+    last = torch.tensor(qo_indptr[1:], dtype=torch.long, device=device)[req] - qo + prefix - 1
+    first_q = torch.maximum(pos, prefix)
+    last_q = last if not sliding_window else torch.minimum(last, pos + sliding_window - 1)
+    keep = first_q <= last_q
+    qa = (qo + first_q - prefix)[keep] // Q_BLOCK
+    qz = (qo + last_q - prefix)[keep] // Q_BLOCK
+    kb = (slots[keep] - window.base) // KV_BLOCK
+    diff = torch.zeros((nq + 1, nk), dtype=torch.int32, device=device)
+    ones = torch.ones_like(kb, dtype=torch.int32)
+    diff.index_put_((qa, kb), ones, accumulate=True)
+    diff.index_put_((qz + 1, kb), -ones, accumulate=True)
+    dense = torch.cumsum(diff, 0)[:nq] > 0
+    counts, order = _ordered(dense[None, None])
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+                                    mask_mod=paged_mask_mod(tables, sliding_window, decode=False),
+                                    seq_lengths=(total_q, window.length), compute_q_blocks=False)
+
+
+def decode_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      seq_lens: list[int], sliding_window: int | None) -> BlockMask:
+    """One query per batch entry [bs, H, 1]: entry i lists exactly the key blocks holding its own keys."""
+    req, pos, slots = kv
+    device = slots.device
+    bs = len(seq_lens)
+    nk = -(-window.length // KV_BLOCK)
+    keep = torch.ones_like(pos, dtype=torch.bool)
+    if sliding_window:
+        last = torch.tensor(seq_lens, dtype=torch.long, device=device)[req] - 1
+        keep = pos > last - sliding_window
+    dense = torch.zeros((bs, nk), dtype=torch.bool, device=device)
+    dense[req[keep], (slots[keep] - window.base) // KV_BLOCK] = True
+    counts, order = _ordered(dense[:, None, None, :])
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+                                    mask_mod=paged_mask_mod(tables, sliding_window, decode=True),
+                                    seq_lengths=(1, window.length), compute_q_blocks=False)
+
+
+def paged_mask_mod(tables: StepTables, sliding_window: int | None, decode: bool) -> Callable:
+    """The element rule of the module docstring; decode indexes its tables by batch entry, extend by query."""
+    r2t, slot_pos, q_row, q_pos, base = (tables.req_to_token, tables.slot_pos, tables.q_row, tables.q_pos,
+                                         tables.base)
+
+    def allowed(row: torch.Tensor, at: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        p = slot_pos[kv_idx]
+        ok = (p >= 0) & (p <= at)
+        ok = ok & (r2t[row, torch.clamp(p, min=0)] == kv_idx + base)
+        if sliding_window:
+            ok = ok & (p > at - sliding_window)
+        return ok
+
+    if decode:
+        def decode_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return allowed(q_row[b], q_pos[b], kv_idx)
+
+        return decode_mask
+
+    def extend_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return allowed(q_row[q_idx], q_pos[q_idx], kv_idx)
+
+    return extend_mask
+
+
+def soft_cap_score_mod(cap: float) -> Callable:
+    """scores = cap * tanh(scores / cap), applied after the softmax scale as torch_native does."""
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                  kv_idx: torch.Tensor) -> torch.Tensor:
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
