@@ -386,6 +386,8 @@ def test_kmeans_converges_to_nearest_centroid_means():
     points = centres.repeat_interleave(20, 0) + 0.1 * torch.randn(60, 2, generator=gen, dtype=torch.float64)
     res = kmeans(points[None], 3, 20)  # strided init picks one point per blob: the blobs come out
     assert res.sizes[0].tolist() == [20, 20, 20]
+    fast = kmeans(points[None].float(), 3, 20, score_dtype=torch.bfloat16)  # bf16 products (GPU path)
+    assert torch.equal(fast.labels, res.labels)
     # any start ends at a Lloyd fixed point: every label is the nearest centroid, every centroid its cluster's mean
     x = points[torch.randperm(60, generator=gen)][None]
     res = kmeans(x, 3, 50)

@@ -29,16 +29,20 @@ def strided_init(x: torch.Tensor, clusters: int) -> torch.Tensor:
     return x.index_select(1, picks).clone()
 
 
-def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid of every point: argmin |x - c|^2 = argmin (|c|^2 - 2 x.c)."""
+def assign(x: torch.Tensor, centroids: torch.Tensor, x_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Nearest centroid of every point: argmin |x - c|^2 = argmin (|c|^2 - 2 x.c).
+
+    `x_scores` is x in the dtype the x.c products run in (bf16 on GPUs: tensor cores; default x itself)."""
+    xs = x if x_scores is None else x_scores
     p, n, _ = x.shape
     c = centroids.shape[1]
     step = max(1, MAX_SCORE_ELEMENTS // max(1, n * c))
     labels = torch.empty(p, n, dtype=torch.long, device=x.device)
     sq = (centroids * centroids).sum(-1)  # [P, C]
+    cs = centroids.to(xs.dtype)
     for start in range(0, p, step):
         sl = slice(start, start + step)
-        dist = sq[sl, None, :] - 2.0 * torch.bmm(x[sl], centroids[sl].transpose(1, 2))
+        dist = sq[sl, None, :] - 2.0 * torch.bmm(xs[sl], cs[sl].transpose(1, 2)).to(sq.dtype)
         labels[sl] = dist.argmin(-1)
     return labels
 
@@ -56,17 +60,19 @@ def update(x: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> to
 
 
 def kmeans(x: torch.Tensor, clusters: int, iters: int, init: torch.Tensor | None = None,
-           tol: float = 1e-4) -> KMeansResult:
+           tol: float = 1e-4, score_dtype: torch.dtype | None = None) -> KMeansResult:
     """Up to `iters` Lloyd iterations on x [P, N, D] (float32 or float64), from `init` or strided points.
 
-    Stops early once no centroid moves more than `tol`. With iters == 0 the points are only assigned."""
+    Stops early once no centroid moves more than `tol`. With iters == 0 the points are only assigned. Centroids
+    are float means of x; `score_dtype` (e.g. bfloat16 on a GPU) is the dtype of the point-centroid products."""
     centroids = strided_init(x, clusters) if init is None else init.to(x.dtype)
-    labels = assign(x, centroids)
+    xs = None if score_dtype is None or score_dtype == x.dtype else x.to(score_dtype)
+    labels = assign(x, centroids, xs)
     for _ in range(iters):
         moved = update(x, labels, centroids)
         shift = float((moved - centroids).norm(dim=-1).max()) if moved.numel() else 0.0
         centroids = moved
-        labels = assign(x, centroids)
+        labels = assign(x, centroids, xs)
         if shift < tol:
             break
     return KMeansResult(labels, centroids, cluster_sizes(labels, clusters))

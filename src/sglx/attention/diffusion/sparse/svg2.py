@@ -272,6 +272,8 @@ class SparseVideoGen2Backend(SparseDiTBackend):
         check_qkv(q, k, v)
         self.check_sequence(q, k, meta)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.svg2.top_p_kmeans >= 1.0:  # every key cluster kept: exactly dense, no clustering needed
+            return self.forward_dense(q, k, v, scale=scale)
         if self.is_dense(meta, layer):
             if self.svg2.zero_step_kmeans_init:
                 self.cluster(q, k, meta, layer)
@@ -304,8 +306,9 @@ class SparseVideoGen2Backend(SparseDiTBackend):
         key = (tuple(q.shape), tuple(k.shape), meta.grid, cq, ck, str(q.device), dtype)
         warm = self.state.warm(layer, key, meta.step_index)
         iters = self.svg2.kmeans_iter_init if warm is None else self.svg2.kmeans_iter_step
-        q_res = kmeans(qx, cq, iters, None if warm is None else warm.q_centroids)
-        k_res = kmeans(kx, ck, iters, None if warm is None else warm.k_centroids)
+        fast = q.dtype if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None  # tensor-core scores
+        q_res = kmeans(qx, cq, iters, None if warm is None else warm.q_centroids, score_dtype=fast)
+        k_res = kmeans(kx, ck, iters, None if warm is None else warm.k_centroids, score_dtype=fast)
         self.state.layers[layer] = _LayerState(key, meta.step_index, q_res.centroids, k_res.centroids)
         return q_res, k_res
 
