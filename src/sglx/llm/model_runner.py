@@ -110,6 +110,10 @@ class ModelRunner:
         self.cuda_graph: CudaGraphPlan = cuda_graph_plan(
             self.device, self.selection.decode, bool(self.backend.supports_cuda_graph), config.disable_cuda_graph,
             config.cuda_graph_max_bs, self.memory.max_running_requests)
+        blocker = getattr(self.model, "cuda_graph_blocker", None)
+        why_not = blocker(self.dtype, self.device) if blocker is not None else None
+        if self.cuda_graph.enabled and why_not:  # the model has host syncs (MoE expert loop)
+            self.cuda_graph = replace(self.cuda_graph, enabled=False, batch_sizes=(), why=why_not)
         self.graph_runner: CudaGraphRunner | None = None
         # argmax of the latest forward's logits when a CUDA graph computed it (else None): the sampler's
         # greedy rows and bench one-batch read it instead of launching an argmax

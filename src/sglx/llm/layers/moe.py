@@ -7,8 +7,9 @@ Routing follows the reference implementations exactly (float32 router logits):
   their two best biased scores; weights are the UNbiased scores of the chosen experts.
 Weights are renormalized when norm_topk_prob (V3; V2 only with top_k > 1, where it replaces the scaling
 as in DeepSeek's V2 code) and multiplied by routed_scaling_factor otherwise / afterwards (V3).
-The experts run as one small GEMM pair per expert that received tokens (simple and exact; a grouped
-kernel is the later speed-up).
+The experts run as one grouped GEMM pair (`torch._grouped_mm`) where torch has its sync-free fast path
+(bfloat16 on CUDA SM90+), which CUDA graphs can capture; elsewhere as one small GEMM pair per expert that
+received tokens (exact, but it reads the token counts on the host, so no graphs).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def _group_mask(group_scores: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     return mask.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1)
 
 
+def grouped_gemm_graph_safe(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch._grouped_mm runs its fast path here: no host sync, so CUDA graphs can capture it."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 class RoutedExperts(nn.Module):
     """E gated experts as stacked weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
 
@@ -69,6 +76,25 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum_k weights * expert_ids(x) [T, H]."""
+        aligned = x.shape[-1] % 8 == 0 and self.intermediate_size % 8 == 0  # 16-byte rows for the fast path
+        if aligned and grouped_gemm_graph_safe(x.dtype, x.device):
+            return self.forward_grouped(x, weights, ids)
+        return self.forward_loop(x, weights, ids)
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // ids.shape[1]
+        experts = torch.arange(self.num_experts, device=x.device, dtype=flat.dtype)
+        offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # end row of each expert
+        gate, up = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        out = torch.zeros_like(x)
+        return out.index_add_(0, token_of, (y * weights.reshape(-1)[order][:, None]).to(out.dtype))
+
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One GEMM pair per expert that received tokens, in expert order (HF's summation order)."""
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
