@@ -267,6 +267,25 @@ def test_stacked_experts_and_mtp_layers_load(workdir: Path, tmp_path: Path) -> N
         assert torch.equal(a, b), name
 
 
+def test_served_over_http(workdir: Path, tmp_path: Path) -> None:
+    """`sglx serve` on a DeepSeek-V2-Lite-shaped model: POST /generate answers HF's greedy tokens."""
+    import httpx
+
+    from server_test_utils import start_server
+
+    path, _, _, prompts, refs = tiny(workdir, "deepseek_v2")
+    proc = start_server(path, tmp_path)
+    try:
+        body = {"input_ids": prompts[1], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}}
+        answer = httpx.post(f"{proc.base_url}/generate", json=body, timeout=120).json()
+        info = httpx.get(f"{proc.base_url}/server_info", timeout=30).json()
+    finally:
+        assert proc.stop() == 0
+    assert [t for _, t, _ in answer["meta_info"]["output_token_logprobs"]] == refs[1][0]
+    assert "DeepseekV2ForCausalLM" in str(info) and "torch_native" in str(info)
+
+
 def test_mla_model_with_mha_only_backend_fails_before_weights_load(workdir: Path, tmp_path: Path) -> None:
     """One clear error from selection, before any weight is read (the weights are gone here)."""
     path = tiny(workdir, "deepseek_v3")[0]
