@@ -93,6 +93,18 @@ def layout_in_input_order(layout, scatter):
     return layout.token_mask()[:, :, scatter][:, :, :, scatter]
 
 
+def test_layout_from_mask_equals_the_sorting_constructor():
+    from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
+    from sglx.attention.diffusion.sparse.mask_lists import layout_from_mask
+
+    gen = torch.Generator().manual_seed(4)
+    for density in (0.0, 0.3, 1.0):
+        mask = torch.rand(2, 3, 9, 9, generator=gen) < density
+        want = BlockSparseLayout.from_block_mask(mask, 16, 16, 140)
+        got = layout_from_mask(mask, 16, 16, 140)
+        assert torch.equal(got.kv_indices, want.kv_indices) and torch.equal(got.kv_counts, want.kv_counts)
+
+
 # --------------------------------------------------------------------------------------------------- VSA
 
 

@@ -37,6 +37,7 @@ from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.kmeans import KMeansResult, kmeans
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
+from sglx.attention.diffusion.sparse.mask_lists import layout_from_mask
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tiled import pooling_dtype
@@ -203,7 +204,7 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
     blocks = torch.matmul(rows, k_member.float().transpose(-1, -2)) > 0
     real = (seq - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
     k_lengths = None if length == seq else real.to(torch.int32)
-    layout = BlockSparseLayout.from_block_mask(blocks, block, block, length, k_lengths)
+    layout = layout_from_mask(blocks, block, block, length, k_lengths)
     q_slot = _to_input_order(q_slots, meta)
     k_slot = _to_input_order(k_slots, meta)
     return SVG2Plan(

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
+from sglx.attention.diffusion.sparse.mask_lists import layout_from_mask
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_order
@@ -259,11 +260,10 @@ def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMo
 def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, cfg: VMoBAConfig, kind: ChunkKind
                  ) -> VMoBAPlan:
     """The plan from q and k already in chunk order [B, slots, H, D]."""
-    block, q = order.block, qs
     qb = block_means(qs, order)  # [B, H, nb, D]
-    kc = chunk_means(ks, order, q.shape[2])  # [B, H, C, D]
+    kc = chunk_means(ks, order, qs.shape[2])  # [B, H, C, D]
     gate = torch.einsum("bhnd,bhcd->bhnc", qb.double(), kc.double())
-    tile = on_device(order.block_tile, q.device)
+    tile = on_device(order.block_tile, qs.device)
     text = tile < 0
     own_hot = F.one_hot(tile.clamp(min=0), gate.shape[-1]).bool()[None, None] & ~text[None, None, :, None]
     valid = (~text)[None, None, :, None].expand(gate.shape)
@@ -272,9 +272,8 @@ def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, cfg: VMoB
     else:
         chosen = select_threshold(gate, own_hot, valid, cfg.moba_threshold, cfg.moba_threshold_type)
     mask = chosen.index_select(-1, tile.clamp(min=0)) | text[None, None, None, :] | text[None, None, :, None]
-    lengths = None if order.k_lengths is None else on_device(order.k_lengths, q.device)
-    layout = BlockSparseLayout.from_block_mask(mask, block, block, order.slots, lengths)
-    return VMoBAPlan(order, layout, chosen)
+    lengths = None if order.k_lengths is None else on_device(order.k_lengths, qs.device)
+    return VMoBAPlan(order, layout_from_mask(mask, order.block, order.block, order.slots, lengths), chosen)
 
 
 class VMoBABackend(SparseDiTBackend):
