@@ -114,7 +114,7 @@ def _membership(labels: torch.Tensor, clusters: int, block: int) -> torch.Tensor
 class SVG2Plan:
     """One layer's permutations and layout over a permuted sequence of `layout.seq_len` slots.
 
-    Queries: each query cluster padded to whole blocks, then the text queries (padded too); `q_index`
+    Queries: each query cluster padded to whole blocks (or packed, see PAD_LIMIT), then the text queries; `q_index`
     [B, L, Hq] is the source token of every slot (padding repeats token 0, its output is dropped) and `q_slot`
     [B, S, Hq] the slot of every token. Keys/values: sorted by key cluster, then text, no padding between,
     junk tail slots up to L cut off by `layout.k_lengths`; `k_index` [B, L, Hkv], `k_slot` [B, S, Hkv]."""
