@@ -1,0 +1,167 @@
+"""MLA decode on the lent GPU, one call: sglx's triton MLA kernel vs FlashInfer MLA (and torch_native), checked first.
+
+DeepSeek-V3's attention shape by default: 128 heads, latent 512 + rope 64, batch 64, 4096-token contexts on
+scattered pages of the latent pool. Every route is compared with float64 on sampled requests before it is
+timed (bf16 max abs error <= 3e-2); timings are medians with L2 flushed (sglx.bench.timing); GB/s counts the
+latent bytes a step must read. The issue's target: triton within 1.2x of FlashInfer MLA in the same run.
+Usage:
+
+    PYTHONPATH=src python3 benchmarks/bench_mla_decode.py --out $OUT/mla_decode.json
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/bench_mla_decode.py --tiny --device cpu  # logic check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sglx.attention.kernels.common import num_sms
+from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
+from sglx.attention.kernels.mla_decode import MLADecodeConfig, choose_num_kv_splits, mla_decode_attention
+from sglx.bench.timing import TimingBudget, median_ms
+from sglx.llm.kv_cache import ReqToTokenPool
+from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+R, DR = 512, 64
+TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-4}
+
+
+class Case:
+    """B requests of `context` latents each on shuffled pages; q is the absorbed query [B, H, R + DR]."""
+
+    def __init__(self, batch: int, heads: int, context: int, page: int, dtype: torch.dtype, kv_cache_dtype: str,
+                 device: torch.device, r: int = R, dr: int = DR) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.batch, self.heads, self.context, self.page, self.r, self.dr = batch, heads, context, page, r, dr
+        self.dtype, self.device = dtype, device
+        pages_per = -(-context // page)
+        num_slots = (batch * pages_per + 1) * page
+        self.r2t = ReqToTokenPool(batch, context + page, device)
+        self.pool = MLATokenKVPool(num_slots, page, 1, r, dr, dtype, kv_cache_dtype, device)
+        order = (torch.randperm(batch * pages_per, generator=gen) + 1).view(batch, pages_per)
+        self.page_table = order.to(device)  # [B, pages] page ids, for FlashInfer
+        slots = (order[:, :, None] * page + torch.arange(page)).reshape(batch, -1)[:, :context].to(device)
+        self.rows = torch.arange(1, batch + 1, device=device)
+        self.r2t.req_to_token[1:batch + 1, :context] = slots.int()
+        for b in range(batch):  # fill per request: bounded host memory at any size
+            lat = torch.randn(context, r + dr, generator=gen).to(device, dtype)
+            self.pool.set_latent(0, slots[b], lat[:, :r], lat[:, r:])
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.kv_indptr = build_kv_indptr(lens)
+        self.kv_indices = torch.empty(batch * context, dtype=torch.int32, device=device)
+        build_kv_indices(self.r2t.req_to_token, self.rows, self.kv_indptr, self.kv_indices)
+        self.q = torch.randn(batch, heads, r + dr, generator=gen).to(device, dtype)
+        self.scale = (128 + 64) ** -0.5  # DeepSeek's qk head dim before absorption
+
+    @property
+    def latent_bytes(self) -> int:
+        return self.batch * self.context * (self.r + self.dr) * self.pool.kv_buffer[0].element_size()
+
+    def reference(self, b: int) -> torch.Tensor:
+        lat = self.pool.get_latent(0, self.r2t.req_to_token[b + 1, :self.context].long(), torch.float64)
+        scores = torch.einsum("hd,ld->hl", self.q[b].double(), lat) * self.scale
+        return torch.softmax(scores, -1) @ lat[:, :self.r]
+
+
+def triton_route(case: Case, interpret: bool) -> Callable[[], torch.Tensor]:
+    config = MLADecodeConfig()
+    splits = choose_num_kv_splits(case.batch, -(-case.heads // config.block_h), case.context,
+                                  num_sms(case.device), config)
+    out = torch.empty(case.batch, case.heads, case.r, dtype=case.dtype, device=case.device)
+    mid_o = torch.empty(case.batch, case.heads, splits, case.r, dtype=torch.float32, device=case.device)
+    mid_lse = torch.empty(case.batch, case.heads, splits, dtype=torch.float32, device=case.device)
+    pool = case.pool
+
+    def run() -> torch.Tensor:
+        return mla_decode_attention(case.q, pool.kv_buffer[0], out, case.kv_indptr, case.kv_indices, mid_o, mid_lse,
+                                    case.scale, case.r, kv_scale=pool.kv_scale[0], fp8_dtype=pool.fp8_dtype,
+                                    config=config, interpret=interpret)
+    return run
+
+
+def flashinfer_route(case: Case) -> Callable[[], torch.Tensor] | str:
+    """FlashInfer's BatchMLAPagedAttentionWrapper on the same pages (a view of the pool: no copy), or why not."""
+    try:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"flashinfer does not import: {type(exc).__name__}: {exc}"
+    if case.pool.is_fp8:
+        return "FlashInfer MLA takes no fp8 latent cache here"
+    buf = case.pool.kv_buffer[0].view(-1, case.page, case.r + case.dr)
+    ckv, kpe = buf[..., :case.r], buf[..., case.r:]
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.int8, device=case.device))
+    pages_per = case.page_table.shape[1]
+    qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=case.device)
+    page_indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=case.device) * pages_per
+    kv_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=case.device)
+    wrapper.plan(qo_indptr, page_indptr, case.page_table.reshape(-1).int(), kv_lens, case.heads, case.r, case.dr,
+                 case.page, False, case.scale, case.dtype, case.dtype)
+    q_nope, q_pe = case.q[..., :case.r].contiguous(), case.q[..., case.r:].contiguous()
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
+def measure(name: str, fn: Callable[[], torch.Tensor], case: Case, budget: TimingBudget) -> dict:
+    out = fn()
+    sample = sorted({0, case.batch // 2, case.batch - 1})
+    err = max((out[b].double() - case.reference(b)).abs().max().item() for b in sample)
+    row = {"route": name, "max_abs_error": err, "checked_requests": sample}
+    if err > TOL[case.dtype]:
+        row["error"] = f"max abs error {err:.3g} exceeds {TOL[case.dtype]:g}: not timed"
+        return row
+    timing = median_ms(fn, case.device, budget)
+    row.update(ms=timing.median_ms, runs=timing.runs, gb_per_s=case.latent_bytes / (timing.median_ms * 1e-3) / 1e9)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--pages", default="1,64")
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU logic check under TRITON_INTERPRET=1)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    dtype = getattr(torch, args.dtype)
+    shape = dict(batch=args.batch, heads=args.heads, context=args.context, r=R, dr=DR)
+    budget = TimingBudget()
+    if args.tiny:
+        shape = dict(batch=3, heads=8, context=40, r=64, dr=16)
+        budget = TimingBudget(warmup_ms=0, rep_ms=0, min_runs=1, max_runs=1)
+        dtype = torch.float32 if device.type == "cpu" else dtype
+    results = []
+    for page in (int(p) for p in args.pages.split(",")):
+        for kv_dtype in args.kv_cache_dtypes.split(","):
+            case = Case(shape["batch"], shape["heads"], shape["context"], page, dtype, kv_dtype, device,
+                        shape["r"], shape["dr"])
+            rows = [measure("triton", triton_route(case, interpret), case, budget)]
+            try:
+                fi = flashinfer_route(case) if device.type == "cuda" else "needs CUDA"
+                rows.append(measure("flashinfer", fi, case, budget) if callable(fi) else {"route": "flashinfer",
+                                                                                          "skipped": fi})
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, the run goes on
+                rows.append({"route": "flashinfer", "error": f"{type(exc).__name__}: {exc}"[:400]})
+            times = {r["route"]: r.get("ms") for r in rows}
+            entry = {**shape, "page_size": page, "kv_cache_dtype": kv_dtype, "dtype": str(dtype), "routes": rows}
+            if times.get("triton") and times.get("flashinfer"):
+                entry["triton_over_flashinfer"] = times["triton"] / times["flashinfer"]
+            results.append(entry)
+            print(json.dumps(entry))
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "results": results}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
