@@ -671,3 +671,16 @@ def test_tiny_flux_end_to_end_with_a_text_prefix(tmp_path, monkeypatch, name, co
     if name != "video_sparse_attn":  # VSA has no dense warm-up
         assert max(dense_step) == 0.0
     assert max(sparse_step) > 1e-4
+
+
+def test_backends_show_the_route_and_density_of_their_last_sparse_call():
+    meta = make_meta((5, 6, 7), step=1, steps=2, layers=2)
+    q, k, v = qkv(meta)
+    for backend in (VideoSparseAttentionBackend({"sparsity": 0.7}),
+                    VMoBABackend({"first_full_step": 1, "temporal_chunk_size": 1}),
+                    SparseVideoGen2Backend({"num_q_centroids": 4, "num_k_centroids": 8, "top_p_kmeans": 0.5,
+                                            "first_times_fp": 0.0, "first_layers_fp": 0.0})):
+        assert backend.route is None and backend.last_density is None
+        backend.forward(q, k, v, scale=0.3, meta=meta, layer=0)
+        assert backend.route == "reference" and "cpu" in backend.route_why
+        assert 0.0 < backend.last_density < 0.95

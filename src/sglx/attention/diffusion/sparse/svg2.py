@@ -38,7 +38,6 @@ from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.kmeans import KMeansResult, kmeans
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
 from sglx.attention.diffusion.sparse.mask_lists import layout_from_mask
-from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tiled import pooling_dtype
 from sglx.errors import ConfigError, SglxError
@@ -290,8 +289,8 @@ class SparseVideoGen2Backend(SparseDiTBackend):
         block = self.block or (64 if q.device.type == "cuda" else 16)
         plan = svg2_plan(q_res.labels.view(b, hq, n), k_res.labels.view(b, hkv, n), cmap, meta, block)
         self.last_plan = plan
-        out = run_block_sparse(permute(q, plan.q_index), permute(k, plan.k_index), permute(v, plan.k_index),
-                               plan.layout, scale)
+        out = self.run(permute(q, plan.q_index), permute(k, plan.k_index), permute(v, plan.k_index), plan.layout,
+                       scale)
         return unpermute(out, plan.q_slot)
 
     def cluster(self, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, layer: int

@@ -22,7 +22,7 @@ Calls without step metadata (plain module calls, `sglx doctor --check`) and cros
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from sglx.attention.diffusion.sparse.tiled import block_means, from_order, on_de
 from sglx.errors import ConfigError
 
 NAME = "video_sparse_attn"
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockSparseLayout, float], torch.Tensor]
 CUBE = (4, 4, 4)
 CUBE_TOKENS = 64  # one cube = one kernel block
 
@@ -120,7 +121,8 @@ def keeps_everything(meta: DiTAttnMetadata, sparsity: float) -> bool:
 
 def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
                            sparsity: float, scale: float | None = None,
-                           gate_compress: torch.Tensor | None = None) -> torch.Tensor:
+                           gate_compress: torch.Tensor | None = None, runner: Runner = run_block_sparse
+                           ) -> torch.Tensor:
     """VSA over one step's sequence, q [B, S, Hq, D], k/v [B, S, Hkv, D] in input order -> [B, S, Hq, D].
 
     `gate_compress` [B, S, Hq, D] (a VSA-trained model's to_gate_compress output) adds the gated coarse branch;
@@ -129,7 +131,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     order = cube_order(meta)
     qs, ks, vs = (to_order(t, order) for t in (q, k, v))
     plan = plan_ordered(qs, ks, order, sparsity, scale)
-    out = from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
+    out = from_order(runner(qs, ks, vs, plan.layout, scale), plan.order)
     if gate_compress is None:
         return out
     vc = block_means(vs, plan.order, heads=q.shape[2])  # [B, H, nb, D]
@@ -156,7 +158,7 @@ class VideoSparseAttentionBackend(SparseDiTBackend):
         self.check_sequence(q, k, meta)
         if keeps_everything(meta, self.vsa.sparsity):  # sparsity 0, or a single cube: the same as dense
             return self.forward_dense(q, k, v, scale=scale)
-        return video_sparse_attention(q, k, v, meta, self.vsa.sparsity, scale)
+        return video_sparse_attention(q, k, v, meta, self.vsa.sparsity, scale, runner=self.run)
 
 
 __all__ = ["VSAConfig", "VideoSparseAttentionBackend", "compute_topk", "video_sparse_attention", "vsa_plan"]

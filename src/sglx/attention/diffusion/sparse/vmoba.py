@@ -41,7 +41,6 @@ from sglx.attention.diffusion.base import check_qkv
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout, cdiv
 from sglx.attention.diffusion.sparse.mask_lists import layout_from_mask
-from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_order
 from sglx.attention.diffusion.sparse.tiled import (
@@ -306,7 +305,7 @@ class VMoBABackend(SparseDiTBackend):
                             chunk_block(box[0] * box[1] * box[2], q.device))
         qs, ks, vs = (to_order(t, order) for t in (q, k, v))
         plan = plan_ordered(qs, ks, order, cfg, kind)
-        return from_order(run_block_sparse(qs, ks, vs, plan.layout, scale), plan.order)
+        return from_order(self.run(qs, ks, vs, plan.layout, scale), plan.order)
 
 
 __all__ = ["VMoBABackend", "VMoBAConfig", "select_threshold", "select_topk", "vmoba_plan"]
