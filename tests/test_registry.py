@@ -195,7 +195,8 @@ PAGE_RULES = [
     ("mla", "trtllm_mla", "b200", (32, 64)), ("mla", "flashinfer", "h100", (1,)),
     ("mla", "fa4", "b200", None),  # native 1, but the seeds pair fa4 prefill with trtllm_mla (32/64) decode
     ("mha", "flashinfer", "h100", None), ("mha", "fa3", "h100", None), ("mha", "triton", "h100", None),
-    ("mha", "torch_native", "cpu", None), ("mha", "flex_attention", "cpu", None), ("mla", "triton", "h100", None), ("mla", "fa3", "h100", None),
+    ("mha", "torch_native", "cpu", None), ("mha", "flex_attention", "cpu", None),
+    ("mha", "flex_attention", "h100", None), ("mla", "triton", "h100", None), ("mla", "fa3", "h100", None),
 ]
 
 

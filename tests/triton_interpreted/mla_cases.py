@@ -103,8 +103,10 @@ def _batch(c, mode, lo, new, backend):
     )
 
 
-@pytest.mark.parametrize("page,kv_cache_dtype", [(1, "auto"), (16, "auto"), (4, "fp8_e4m3")])
-def test_triton_mla_backend_matches_torch_native_and_float64(page, kv_cache_dtype):
+@pytest.mark.parametrize("page,kv_cache_dtype,budget", [(1, "auto", None), (16, "auto", None), (4, "fp8_e4m3", None),
+                                                        (4, "auto", 1)])
+def test_triton_mla_backend_matches_torch_native_and_float64(page, kv_cache_dtype, budget):
+    """budget 1 byte: every request's extend runs as its own group (bounded expansion)."""
     total = [p + sum(n[i] for _, n in STEPS) for i, p in enumerate(PREFIX)]
     ours, theirs = (Latents(total, page, R, DR, torch.float32, kv_cache_dtype, seed=7) for _ in range(2))
     backends = []
@@ -113,6 +115,9 @@ def test_triton_mla_backend_matches_torch_native_and_float64(page, kv_cache_dtyp
             if p:
                 c.store(i, 0, p)
         backends.append(cls(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, c.r2t, c.pool)))
+    if budget is not None:
+        backends[0].max_expanded_bytes = budget
+        assert len(backends[0]._extend_groups(_batch(ours, STEPS[0][0], PREFIX, STEPS[0][1], None), SPEC, 4)) == 3
     gen = torch.Generator().manual_seed(1)
     proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5, SPEC)
     lo = list(PREFIX)

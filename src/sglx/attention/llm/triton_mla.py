@@ -4,8 +4,9 @@ Decode takes the absorbed path on the split-KV MLA kernel (`kernels/mla_decode.p
 against each cached [c_kv, k_pe] row, c_kv as the value, W_UV after; each latent tile is read once per
 head block. Extend (prefill, cached prefix, MIXED) takes the non-absorbed path: the batch's latents,
 prefix and new tokens alike, are read from the pool and expanded to per-head K/V, which the MHA extend
-kernel attends causally. Per-step metadata and the CUDA-graph hooks are the MHA triton backend's (one
-latent "KV head"); fp8 latents dequantize in the kernels.
+kernel attends causally; requests are taken in groups whose expansion stays under `max_expanded_bytes`
+(one request is never split: a very long context still expands whole). Per-step metadata and the
+CUDA-graph hooks are the MHA triton backend's (one latent "KV head"); fp8 latents dequantize in the kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class TritonMLABackend(TritonBackend):
     name = "triton"
     supports_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
+    max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
 
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                     layer: MLALayerSpec, proj: MLAProjections, batch: ForwardBatch,
@@ -44,15 +46,46 @@ class TritonMLABackend(TritonBackend):
                 kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[attr-defined]
                 config=self.mla_decode_config, interpret=self.interpret)
             return apply_uv(o_latent, proj)
-        assert meta.qo_indptr is not None
         q = torch.cat([q_nope, q_pe], dim=-1)
-        latent = pool.get_latent(layer.layer_id, meta.kv_indices.long(), q.dtype)  # type: ignore[attr-defined]
-        keys, values = expand_latent(latent, proj, layer)
-        rows = torch.arange(keys.shape[0], dtype=torch.int32, device=q.device)  # expanded rows, in kv_indptr order
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
-        return extend_attention(q, keys, values, out, meta.qo_indptr, meta.kv_indptr, rows, meta.max_extend_len,
-                                layer.scaling, config=self.extend_config, interpret=self.interpret,
-                                prefix_tokens=meta.prefix_tokens)
+        for group in self._extend_groups(batch, layer, q.element_size()):
+            self._extend_group(q, out, group, layer, proj, batch)
+        return out
+
+    def _extend_groups(self, batch: ForwardBatch, layer: MLALayerSpec, elem: int) -> list[range]:
+        """Consecutive request ranges whose expanded K/V fit max_expanded_bytes (at least one request each)."""
+        per_key = layer.num_heads * (layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim) * elem
+        groups, start, keys = [], 0, 0
+        for i, n in enumerate(batch.seq_lens_cpu):
+            if i > start and (keys + n) * per_key > self.max_expanded_bytes:
+                groups.append(range(start, i))
+                start, keys = i, 0
+            keys += n
+        groups.append(range(start, batch.batch_size))
+        return groups
+
+    def _extend_group(self, q: torch.Tensor, out: torch.Tensor, group: range, layer: MLALayerSpec,
+                      proj: MLAProjections, batch: ForwardBatch) -> None:
+        """Expand the group's latents (prefix + new) per head and run the MHA extend kernel on them."""
+        meta = self.meta
+        assert meta is not None and meta.qo_indptr is not None
+        q_lens, kv_lens = batch.extend_seq_lens_cpu[group.start:group.stop], batch.seq_lens_cpu[group.start:group.stop]
+        q_lo = sum(batch.extend_seq_lens_cpu[:group.start])
+        kv_lo = sum(batch.seq_lens_cpu[:group.start])
+        q_hi, kv_hi = q_lo + sum(q_lens), kv_lo + sum(kv_lens)
+        whole = len(group) == batch.batch_size
+        latent = batch.token_kv_pool.get_latent(  # type: ignore[attr-defined]
+            layer.layer_id, meta.kv_indices[kv_lo:kv_hi].long(), q.dtype)
+        keys, values = expand_latent(latent, proj, layer)
+        rows = torch.arange(keys.shape[0], dtype=torch.int32, device=q.device)  # expanded rows, in kv order
+        if whole:
+            qo_indptr, kv_indptr = meta.qo_indptr, meta.kv_indptr
+        else:
+            qo_indptr = meta.qo_indptr[group.start:group.stop + 1] - q_lo
+            kv_indptr = meta.kv_indptr[group.start:group.stop + 1] - kv_lo
+        extend_attention(q[q_lo:q_hi], keys, values, out[q_lo:q_hi], qo_indptr, kv_indptr, rows,
+                         max(q_lens, default=0), layer.scaling, config=self.extend_config, interpret=self.interpret,
+                         prefix_tokens=sum(kv_lens) - sum(q_lens))
 
     # An MLA backend attends over latents; the MHA entry points are a programming error, said so loudly.
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
