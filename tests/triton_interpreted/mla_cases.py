@@ -149,3 +149,38 @@ def test_absorbed_decode_helpers_round_trip():
     torch.testing.assert_close(absorb_q(q, proj), torch.einsum("thd,hdr->thr", q, proj.w_uk))
     o = torch.randn(3, H, R, generator=gen)
     torch.testing.assert_close(apply_uv(o, proj), torch.einsum("thr,hvr->thv", o, proj.w_uv))
+
+
+def test_hybrid_prefill_torch_native_decode_triton():
+    """HybridAttentionBackend routes forward_mla by phase over the one latent pool both backends share."""
+    from sglx.attention.llm.hybrid import HybridAttentionBackend
+
+    total = [p + sum(n[i] for _, n in STEPS) for i, p in enumerate(PREFIX)]
+    c = Latents(total, 4, R, DR, torch.float32, seed=9)
+    for i, p in enumerate(PREFIX):
+        if p:
+            c.store(i, 0, p)
+    ctx = BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, 4, c.r2t, c.pool)
+    backend = HybridAttentionBackend(ctx, TorchNativeMLABackend(ctx), TritonMLABackend(ctx))
+    calls = []
+    for name, part in (("prefill", backend.prefill), ("decode", backend.decode)):
+        original = part.forward_mla
+        part.forward_mla = lambda *a, _n=name, _f=original, **k: (calls.append(_n), _f(*a, **k))[1]
+    gen = torch.Generator().manual_seed(3)
+    proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5, SPEC)
+    lo = list(PREFIX)
+    for mode, new in STEPS:
+        q_nope = torch.randn(sum(new), H, DN, generator=gen)
+        q_pe = torch.randn(sum(new), H, DR, generator=gen)
+        latent = torch.cat([lat[a:a + n] for lat, a, n in zip(c.latents, lo, new)])
+        batch = _batch(c, mode, lo, new, backend)
+        backend.init_forward_metadata(batch)
+        out = backend.forward_mla(q_nope, q_pe, latent[:, :R], latent[:, R:], SPEC, proj, batch)
+        offset = 0
+        for i, (a, n) in enumerate(zip(lo, new)):
+            ref = reference_mla(q_nope[offset:offset + n], q_pe[offset:offset + n], c.stored(i, a + n),
+                                proj.w_uk, proj.w_uv, torch.arange(a, a + n), SPEC.scaling)
+            assert (out[offset:offset + n].double() - ref).abs().max().item() < 2e-5
+            offset += n
+        lo = [a + n for a, n in zip(lo, new)]
+    assert calls == ["prefill", "decode", "prefill", "decode"]
