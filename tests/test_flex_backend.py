@@ -110,32 +110,55 @@ def test_requests_sharing_radix_prefix_pages_in_one_batch(page):
     assert _replay(page, 4, 2, None, 0.0, shared=13) <= TOL
 
 
-def _step_mask(page: int, mode: ForwardMode, window: int | None):
-    steps = STEPS[:1] if mode.is_extend else STEPS[:2]
+LONG_PREFIX, LONG_STEPS = [300, 0], [(ForwardMode.EXTEND, [260, 9]), (ForwardMode.DECODE, [1, 1])]
+
+
+def _step_mask(page: int, mode: ForwardMode, window: int | None, prefix: list[int] = PREFIX,
+               steps: list = STEPS, full_blocks: bool = True):
+    steps = steps[:1] if mode.is_extend else steps[:2]
     # a pool several kv blocks long, with requests on shuffled pages of it
-    cache = make_paged_cache([*_total(PREFIX, steps), 600], page, 2, DIM, torch.float32, fill=[*PREFIX, 0], seed=1)
+    cache = make_paged_cache([*_total(prefix, steps), 600], page, 2, DIM, torch.float32, fill=[*prefix, 0], seed=1)
     cache.rows.pop()  # the last request only spreads the others over a larger pool
     backend = FlexAttentionBackend(_ctx(cache, 4, 2, page, compile="on"))  # compiled: the whole pool is the window
-    lo = list(PREFIX) if mode.is_extend else [p + n for p, n in zip(PREFIX, STEPS[0][1])]
+    lo = list(prefix) if mode.is_extend else [p + n for p, n in zip(prefix, steps[0][1])]
     backend.init_forward_metadata(_batch(cache, mode, lo, steps[-1][1]))
     assert backend.step is not None
+    backend.step.full_blocks = full_blocks  # as on CUDA (CPU Inductor cannot build them)
     return backend.step.block_mask(window), backend.step.window.length
 
 
+def _blocks(mask: torch.Tensor, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of an element mask [b, Q, KV]: (any element set, every element set and the block whole)."""
+    b, q_len, kv_len = mask.shape
+    padded = torch.zeros(b, nq * Q_BLOCK, nk * KV_BLOCK, dtype=torch.bool)
+    padded[:, :q_len, :kv_len] = mask
+    tiles = padded.view(b, nq, Q_BLOCK, nk, KV_BLOCK)
+    return tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-@pytest.mark.parametrize(("page", "window"), [(1, None), (16, 9), (64, None), (1, 3)])
-def test_block_lists_are_exactly_the_blocks_with_an_allowed_key(page, mode, window):
-    """A listed (query block, key block) holds at least one allowed pair, and every allowed pair is listed."""
-    bm, kv_len = _step_mask(page, mode, window)
+@pytest.mark.parametrize(("page", "window", "long"), [(1, None, False), (16, 9, False), (64, None, False),
+                                                      (1, 3, False), (128, None, True), (128, 100, True)])
+def test_block_lists_are_exactly_the_blocks_with_an_allowed_key(page, mode, window, long):
+    """Listed blocks hold an allowed pair and every allowed pair is listed; a full block allows all its pairs."""
+    args = (LONG_PREFIX, LONG_STEPS) if long else ()
+    bm, kv_len = _step_mask(page, mode, window, *args)
     b, q_len = bm.kv_num_blocks.shape[0], bm.seq_lengths[0]
     allowed = create_mask(bm.mask_mod, b, 1, q_len, kv_len, device="cpu")[:, 0]
     assert allowed.any(dim=-1).all()  # every query reads at least itself
-    listed = bm.to_dense()[:, 0].bool()
-    nq, nk = listed.shape[-2:]
-    padded = torch.zeros(b, nq * Q_BLOCK, nk * KV_BLOCK, dtype=torch.bool)
-    padded[:, :q_len, :kv_len] = allowed
-    needed = padded.view(b, nq, Q_BLOCK, nk, KV_BLOCK).any(dim=4).any(dim=2)
-    assert torch.equal(listed, needed)
+    dense = bm.to_dense()[:, 0]  # partial and full blocks together
+    nq, nk = dense.shape[-2:]
+    needed, whole = _blocks(allowed, nq, nk)
+    assert torch.equal(dense.bool(), needed)
+    if bm.full_kv_num_blocks is not None:
+        full = torch.zeros_like(needed)
+        for i in range(b):
+            for qb in range(nq):
+                n = int(bm.full_kv_num_blocks[i, 0, qb])
+                full[i, qb, bm.full_kv_indices[i, 0, qb, :n].long()] = True
+        assert not (full & ~whole).any()  # the mask may be skipped only where it holds everywhere
+        if long and mode.is_extend and not window:  # queries 300.. over the request's own pages 0..255: full
+            assert full.sum() >= 2
     if page >= 16:  # whole pages: the pool has blocks no request of the step reads, and they are skipped
         assert not needed.all()
 

@@ -87,6 +87,7 @@ class _Step:
     seq_lens: list[int]
     qo_indptr: list[int]
     prefix_lens: list[int]
+    full_blocks: bool  # list mask-free blocks apart (CUDA; Inductor's CPU template fails to build them)
     masks: dict[int | None, BlockMask] = field(default_factory=dict)
 
     def block_mask(self, sliding_window: int | None) -> BlockMask:
@@ -95,7 +96,7 @@ class _Step:
                 mask = decode_block_mask(self.tables, self.window, self.kv, self.seq_lens, sliding_window)
             else:
                 mask = extend_block_mask(self.tables, self.window, self.kv, self.qo_indptr, self.prefix_lens,
-                                         sliding_window)
+                                         sliding_window, full_blocks=self.full_blocks)
             self.masks[sliding_window] = mask
         return self.masks[sliding_window]
 
@@ -150,7 +151,8 @@ class FlexAttentionBackend(AttentionBackend):
                 qo_indptr.append(qo_indptr[-1] + n)
         tables = StepTables(r2t, slot_positions(kv[2], kv[1], window), q_rows, q_pos,
                             torch.tensor(window.base, dtype=torch.int32, device=device))
-        self.step = _Step(decode, window, tables, kv, seq_lens, qo_indptr, prefix)
+        self.step = _Step(decode, window, tables, kv, seq_lens, qo_indptr, prefix,
+                          full_blocks=self.ctx.device.type == "cuda")
 
     # ------------------------------------------------------------------ attention
     def _score_mod(self, cap: float) -> Callable | None:

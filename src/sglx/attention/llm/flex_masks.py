@@ -8,8 +8,10 @@ holds slot `s = base + kv`; `slot_pos[kv]` is the position that slot has in the 
 radix-shared prefix page) and, with a sliding window `W`, `p > P - W`.
 
 The block lists (`kv_num_blocks`/`kv_indices`) name, per query block, only the key blocks holding a
-slot some query of that block may read, so a compiled kernel visits only those; they are computed
-from the same rule on the host-planned CSR indices, per step, with no per-element loop.
+slot some query of that block may read, so a compiled kernel visits only those; extend also lists
+full blocks (`full_kv_*`: the rule holds for every element, so the kernel skips the mask there, e.g.
+a request's cached prefix pages under its later queries). They are computed from the same rule on
+the step's CSR indices, per step, with no per-element loop.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      qo_indptr: list[int], prefix_lens: list[int], sliding_window: int | None) -> BlockMask:
+                      qo_indptr: list[int], prefix_lens: list[int], sliding_window: int | None,
+                      full_blocks: bool = True) -> BlockMask:
     """Packed queries [1, H, T] over the window: each query block lists the key blocks it may read.
 
     Key `p` of request i is read by the queries at positions max(p, prefix_i) .. min(last_i, p + W - 1);
@@ -101,11 +104,50 @@ def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tens
     ones = torch.ones_like(kb, dtype=torch.int32)
     diff.index_put_((qa, kb), ones, accumulate=True)
     diff.index_put_((qz + 1, kb), -ones, accumulate=True)
-    dense = torch.cumsum(diff, 0)[:nq] > 0
-    counts, order = _ordered(dense[None, None])
-    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+    needed = torch.cumsum(diff, 0)[:nq] > 0
+    full_counts = full_order = None
+    if full_blocks:
+        full = _full_extend_blocks(tables, window, kv, qo_indptr, sliding_window, nq, nk) & needed
+        needed = needed & ~full
+        full_counts, full_order = _ordered(full[None, None])
+    counts, order = _ordered(needed[None, None])
+    return BlockMask.from_kv_blocks(counts, order, full_counts, full_order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
                                     mask_mod=paged_mask_mod(tables, sliding_window, decode=False),
                                     seq_lengths=(total_q, window.length), compute_q_blocks=False)
+
+
+def _full_extend_blocks(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        qo_indptr: list[int], sliding_window: int | None, nq: int, nk: int) -> torch.Tensor:
+    """[nq, nk] blocks where the mask holds for every element, so the kernel can skip evaluating it.
+
+    Only whole blocks qualify: a query block of one request (positions P0..P1) and a key block whose
+    KV_BLOCK slots all hold that request's keys at positions p <= P0 (and p > P1 - W with a window).
+    Tail blocks and query blocks spanning two requests stay partial (the mask decides there).
+    """
+    req, pos, slots = kv
+    device = slots.device
+    bs = len(qo_indptr) - 1
+    key = req * nk + (slots - window.base) // KV_BLOCK
+    cells = bs * nk
+    count = torch.bincount(key, minlength=cells).view(bs, nk)
+    high = torch.full((cells,), -1, dtype=torch.long, device=device).scatter_reduce(0, key, pos, "amax")
+    full_q = qo_indptr[-1] // Q_BLOCK
+    full = torch.zeros((nq, nk), dtype=torch.bool, device=device)
+    if full_q == 0:
+        return full
+    lens = torch.tensor(qo_indptr[1:], dtype=torch.long, device=device) - torch.tensor(
+        qo_indptr[:-1], dtype=torch.long, device=device)
+    q_req = torch.repeat_interleave(torch.arange(bs, device=device), lens)
+    first = torch.arange(full_q, device=device) * Q_BLOCK
+    last = first + Q_BLOCK - 1
+    owner = q_req[first]
+    p0, p1 = tables.q_pos[first].long()[:, None], tables.q_pos[last].long()[:, None]
+    ok = (count[owner] == KV_BLOCK) & (high.view(bs, nk)[owner] <= p0) & (owner == q_req[last])[:, None]
+    if sliding_window:
+        low = torch.full((cells,), 2**62, dtype=torch.long, device=device).scatter_reduce(0, key, pos, "amin")
+        ok &= low.view(bs, nk)[owner] > p1 - sliding_window
+    full[:full_q] = ok
+    return full
 
 
 def decode_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
