@@ -174,12 +174,85 @@ def sweep(qp, kp, vp, layout, scale, configs, device) -> list[dict]:
     return out
 
 
+def step_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dict:
+    """One denoising step of a dummy-weight Wan2.1-1.3B at 81x480x832 (grid 21x30x52, one CFG branch):
+    diffusers' own forward (native / cuDNN attention) vs sglx's processors with dense and STA backends."""
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.attention.diffusion.metadata import dit_step
+    from sglx.attention.diffusion.sdpa import TorchSDPABackend
+    from sglx.bench.diffusion_step import StepConfig, _build, _metadata
+    from sglx.diffusion.processors.wan import install
+
+    class Switch(DiffusionAttentionBackend):
+        inner: DiffusionAttentionBackend
+
+        def forward_dense(self, q, k, v, *, scale=None):
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    cfg = StepConfig(tiny=True, frames=5, height=64, width=64, text_tokens=8) if tiny else StepConfig()
+    model, inputs = _build(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    layers, heads = cfg.model_config()["num_layers"], cfg.model_config()["num_attention_heads"]
+    res: dict = {"case": "wan2.1-1.3b step 81x480x832", "window_tiles": list(window), "rows": {}}
+    outs = {}
+    with torch.inference_mode():
+        for name in ("native", "_native_cudnn"):
+            try:
+                model.set_attention_backend(name)
+                outs[name] = model(**inputs, return_dict=False)[0]
+                res["rows"][f"diffusers {name}"] = bench(lambda: model(**inputs, return_dict=False)[0], device)
+            except Exception as exc:
+                res["rows"][f"diffusers {name}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        model.reset_attention_backend()
+    switch = Switch()
+    install(model, switch)
+    meta = _metadata(model, tuple(inputs["hidden_states"].shape))
+    strategy = write_uniform_strategy(Path(os.environ.get("TMPDIR", "/tmp")) / "sta_step.json", layers, heads, window)
+    sta = SlidingTileAttentionBackend({"mask_strategy_file_path": str(strategy), "skip_time_steps": 0})
+    inners = [("sglx torch_sdpa (dense)", TorchSDPABackend(), None), ("sglx STA", sta, None),
+              ("sglx STA triton route", sta, "triton")]
+    if fa4_modules() is not None:
+        from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
+
+        inners.insert(1, ("sglx fa (dense FA4)", FlashAttentionBackend(kernel=fa4_modules()[0], variant="FA4"), None))
+    base = outs.get("_native_cudnn", outs.get("native"))
+    with torch.inference_mode():
+        for label, inner, route in inners:
+            switch.inner = inner
+            if route:
+                os.environ["SGLX_BLOCK_SPARSE_ROUTE"] = route
+            try:
+                with dit_step(meta):
+                    got = model(**inputs, return_dict=False)[0]
+
+                    def fwd():
+                        return model(**inputs, return_dict=False)[0]
+                    ms = bench(fwd, device)
+                res["rows"][label] = ms
+                if base is not None:
+                    res[f"rel_l2 {label} vs diffusers"] = rel_err(got, base.double())
+                if inner is sta:
+                    res[f"route {label}"] = sta.route
+            except Exception as exc:
+                res["rows"][label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                os.environ.pop("SGLX_BLOCK_SPARSE_ROUTE", None)
+    timed = {k: v for k, v in res["rows"].items() if isinstance(v, float)}
+    best_diffusers = min((v for k, v in timed.items() if k.startswith("diffusers")), default=None)
+    if best_diffusers:
+        res["over_best_diffusers"] = {k: v / best_diffusers for k, v in timed.items()}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sparse_video.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-step", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -221,6 +294,16 @@ def main() -> None:
         results["cases"].append(res)
         print(json.dumps(res), flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if not args.no_step:
+        start = time.time()
+        try:
+            res = step_case(device, tiny=args.tiny)
+        except Exception as exc:
+            res = {"case": "wan2.1-1.3b step", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        res["wall_s"] = round(time.time() - start, 1)
+        results["step"] = res
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(json.dumps(res), flush=True)
     print(json.dumps(info))
     for r in results["cases"]:
         dense = r.get("dense", {})
