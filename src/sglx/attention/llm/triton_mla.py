@@ -15,37 +15,43 @@ import torch
 
 from sglx.attention.kernels.extend_attention import extend_attention
 from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
-from sglx.attention.llm.base import LayerSpec
-from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections, absorb_q, apply_uv, expand_latent
+from sglx.attention.llm.mla_base import (
+    MLAAttentionBackend,
+    MLALayerSpec,
+    MLAProjections,
+    absorb_q,
+    apply_uv,
+    expand_latent,
+)
 from sglx.attention.llm.triton import TritonBackend
 from sglx.llm.forward_batch import ForwardBatch
 
 
-class TritonMLABackend(TritonBackend):
+class TritonMLABackend(MLAAttentionBackend, TritonBackend):
+    """MLA entry points from MLAAttentionBackend; metadata, CUDA-graph hooks and kernel configs from TritonBackend."""
+
     name = "triton"
     supports_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
 
-    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                    layer: MLALayerSpec, proj: MLAProjections, batch: ForwardBatch,
-                    save_kv_cache: bool = True) -> torch.Tensor:
-        """Store this step's latents, attend; returns [T, H, v_head_dim]."""
-        pool = batch.token_kv_pool
-        if save_kv_cache:
-            pool.set_latent(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)  # type: ignore[attr-defined]
+    def forward_mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
+                           proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
         meta = self.meta
-        assert meta is not None, "init_forward_metadata(batch) must run first"
-        if batch.mode.is_decode:
-            assert meta.mid_o is not None and meta.mid_lse is not None
-            q = torch.cat([absorb_q(q_nope, proj), q_pe], dim=-1)
-            o_latent = q.new_empty((q.shape[0], layer.num_heads, layer.kv_lora_rank))
-            mla_decode_attention(
-                q, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[attr-defined]
-                meta.mid_o, meta.mid_lse, layer.scaling, layer.kv_lora_rank,
-                kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[attr-defined]
-                config=self.mla_decode_config, interpret=self.interpret)
-            return apply_uv(o_latent, proj)
+        assert meta is not None and meta.mid_o is not None and meta.mid_lse is not None, \
+            "init_forward_metadata(batch) must run first"
+        pool = batch.token_kv_pool
+        q = torch.cat([absorb_q(q_nope, proj), q_pe], dim=-1)
+        o_latent = q.new_empty((q.shape[0], layer.num_heads, layer.kv_lora_rank))
+        mla_decode_attention(
+            q, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[union-attr]
+            meta.mid_o, meta.mid_lse, layer.scaling, layer.kv_lora_rank,
+            kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[union-attr]
+            config=self.mla_decode_config, interpret=self.interpret)
+        return apply_uv(o_latent, proj)
+
+    def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
+                           proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
         for group in self._extend_groups(batch, layer, q.element_size()):
@@ -86,12 +92,3 @@ class TritonMLABackend(TritonBackend):
         extend_attention(q[q_lo:q_hi], keys, values, out[q_lo:q_hi], qo_indptr, kv_indptr, rows,
                          max(q_lens, default=0), layer.scaling, config=self.extend_config, interpret=self.interpret,
                          prefix_tokens=sum(kv_lens) - sum(q_lens))
-
-    # An MLA backend attends over latents; the MHA entry points are a programming error, said so loudly.
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
-                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
-        raise TypeError(f"{self.name} MLA backend: call forward_mla (an MHA model needs an MHA backend)")
-
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
-                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
-        raise TypeError(f"{self.name} MLA backend: call forward_mla (an MHA model needs an MHA backend)")
