@@ -328,6 +328,8 @@ def test_shipped_configs(name: str) -> None:
     assert (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, cfg.mla.latent_dim) == (512, 64, 576)
     assert cfg.rope_type == "yarn" and cfg.attention_traits("bfloat16").mla
     assert cfg.mla.softmax_scale(cfg.rope_scaling) > cfg.mla.qk_head_dim ** -0.5  # YaRN mscale^2 folded in
+    billions = {"deepseek-v2-lite": 15.7, "deepseek-v3": 671.0}[name]  # the published sizes (V3 without MTP)
+    assert cfg.num_parameters() / 1e9 == pytest.approx(billions, rel=0.01)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -342,6 +344,7 @@ def test_dummy_weights_for_shrunk_shipped_config(tmp_path: Path, name: str) -> N
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model, cfg = load_model(tmp_path, "auto", "cpu", load_format="dummy", seed=0)
     assert next(model.parameters()).dtype == torch.bfloat16
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
     # bench one-batch's floor reads only the routed experts a step can reach (expected, uniform routing)
     from sglx.bench.one_batch import weight_bytes_per_step
 

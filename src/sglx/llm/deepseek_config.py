@@ -40,6 +40,17 @@ class MLAConfig:
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def attention_parameters(self, hidden: int, heads: int) -> int:
+        """Weights of one MLA layer (q path, kv_a + its norm, kv_b, o_proj; biases when attention_bias)."""
+        if self.q_lora_rank:
+            q = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+        else:
+            q = hidden * heads * self.qk_head_dim
+        kv = hidden * self.latent_dim + self.kv_lora_rank + self.kv_lora_rank * heads * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        bias = (self.q_lora_rank or 0) + self.latent_dim + hidden if self.attention_bias else 0
+        return q + kv + heads * self.v_head_dim * hidden + bias
+
     def softmax_scale(self, rope_scaling: dict[str, Any] | None) -> float:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's long-context fix)."""
         scale = self.qk_head_dim ** -0.5

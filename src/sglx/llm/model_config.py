@@ -94,10 +94,21 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameter count (for memory planning and progress messages)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        if self.mla is not None:
+            return sum(self.mla.attention_parameters(h, self.num_heads) + self._mlp_parameters(layer) + 2 * h
+                       for layer in range(self.num_layers)) + embed + h
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         per_layer = attn + 3 * h * i + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
+
+    def _mlp_parameters(self, layer_id: int) -> int:
+        moe, h = self.moe, self.hidden_size
+        if moe is None or not moe.is_moe_layer(layer_id):
+            return 3 * h * self.intermediate_size
+        bias = moe.n_routed_experts if moe.topk_method == "noaux_tc" else 0
+        experts = (moe.n_routed_experts + moe.n_shared_experts) * 3 * h * moe.moe_intermediate_size
+        return experts + moe.n_routed_experts * h + bias
 
 
 def shipped_configs() -> list[str]:
