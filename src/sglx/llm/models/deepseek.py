@@ -168,7 +168,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         names: set[str] = set()
         for name, param in self.named_parameters():
             prefix, _, leaf = name.rpartition(".")
-            if leaf == "gate_up_proj" or prefix.endswith(".gate_up_proj"):
+            if prefix.endswith(".gate_up_proj"):  # a fused dense / shared-expert MLP
                 parent = prefix.rpartition(".")[0]
                 names.update(f"{parent}.{part}.weight" for part in ("gate_proj", "up_proj"))
             elif leaf in ("w13", "w2"):
