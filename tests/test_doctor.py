@@ -53,10 +53,12 @@ def test_doctor_check_runs_backends_in_subprocess() -> None:
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    checks = {c["backend"]: c for s in report["sections"] for c in s.get("checks", [])}
-    assert checks["torch_native"]["status"] == "pass"
-    assert checks["torch_sdpa"]["status"] == "pass"
-    assert checks["torch_native"]["max_abs_error"] < 1e-4
+    checks = {(c["kind"], c["backend"]): c for s in report["sections"] for c in s.get("checks", [])}
+    assert checks[("dit", "torch_sdpa")]["status"] == "pass"
+    for kind in ("mha", "mla"):  # the MLA check: expanded extend and absorbed decode vs float64
+        assert checks[(kind, "torch_native")]["status"] == "pass"
+        assert checks[(kind, "torch_native")]["max_abs_error"] < 1e-4
+    assert "MLA" in checks[("mla", "torch_native")]["problem"]
 
 
 def test_doctor_rich_output_subprocess() -> None:
