@@ -21,9 +21,10 @@ from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output, sc
 from sglx.llm.engine import Engine
 
 
-def runnable_backends(page_size: int) -> list[str]:
+def runnable_backends(page_size: int, kv_cache_dtype: str) -> list[str]:
+    """Backends that run here for this page size and KV dtype (flex_attention has no fp8 KV)."""
     snap = platform.current()
-    req = AttentionRequest(family="llm", kind="mha", page_size=page_size)
+    req = AttentionRequest(family="llm", kind="mha", page_size=page_size, kv_cache_dtype=kv_cache_dtype)
     return [s.name for s in all_backends("llm", "mha") if availability(s, snap, req).ok]
 
 
@@ -39,8 +40,8 @@ def main() -> None:
     prompts, answers = [p for p, _ in examples], [a for _, a in examples]
     rows = []
     for page_size in (1, 16, 64):
-        for backend in runnable_backends(page_size):
-            for kv in ("auto", "fp8_e4m3"):
+        for kv in ("auto", "fp8_e4m3"):
+            for backend in runnable_backends(page_size, kv):
                 for radix in (True, False):
                     start = time.perf_counter()
                     with Engine(attention_backend=backend, page_size=page_size, kv_cache_dtype=kv,
