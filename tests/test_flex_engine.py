@@ -127,6 +127,15 @@ def test_flex_refuses_fp8_kv_before_loading_weights(workdir: Path) -> None:
     assert "torch_native" in str(info.value)
 
 
+def test_flex_compile_config_is_validated(workdir: Path) -> None:
+    path, prompts, refs = model(workdir, "llama")
+    with pytest.raises(SglxError, match="compile='sometimes'.*auto, on, off"):
+        flex_engine(path, attention_backend_config="compile=sometimes")
+    with flex_engine(path, attention_backend_config='{"compile": "off"}') as eng:
+        assert eng.runner.backend.compiled is False
+        assert eng.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == refs[0][0]
+
+
 def _embedded_ready() -> bool:
     from sglx.llm.embedded import default_model_path
 

@@ -8,10 +8,13 @@ Each step plans once (`init_forward_metadata`): the step's keys as (request, pos
 logit soft-cap a score_mod, sliding windows part of the mask.
 
 Compiled (`compile=on`, the default on CUDA) the keys are the whole pool and the fused kernel visits
-only the listed key blocks. Eager (`compile=off`, the default elsewhere) flex materializes the scores
-over every key it is given, so the keys are the smallest pool range the step touches (still a view,
-never a gather). On CPU the compiled path works with static shapes only (each new batch shape
-recompiles, ~20 s on two cores; dynamic shapes hit an Inductor C++ bug in torch 2.13), hence eager there.
+only the listed key blocks; on CUDA extend also lists full blocks (no mask evaluated there). Eager
+(`compile=off`, the default elsewhere) flex materializes the scores over every key it is given, so
+the keys are the smallest pool range the step touches (still a view, never a gather). On CPU the
+compiled path builds static shapes only (each new batch shape recompiles, seconds each on two cores;
+dynamic shapes and full blocks hit Inductor C++ template bugs in torch 2.13), hence eager there:
+`compile=on` on CPU is for checking the fused path, not for serving (past dynamo's recompile limit
+torch falls back to eager over the whole pool).
 No fp8 KV (flex takes the pool's dtype as is) and no CUDA graphs (the block mask is rebuilt per step).
 """
 
