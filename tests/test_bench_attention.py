@@ -1,4 +1,4 @@
-"""`sglx bench attention` on a CPU: tiny default shapes, torch_native against SDPA and a float64 reference.
+"""`sglx bench attention` on a CPU: tiny default shapes, torch_native and flex_attention against SDPA and float64.
 
 The JSON report is checked against quantities computed here independently (FLOPs, K/V bytes,
 ratios), a broken backend must be reported as wrong (not timed) with exit code 1, and bad flags are
@@ -42,9 +42,9 @@ def test_default_cpu_suite_checks_and_times_torch_native_against_sdpa(tmp_path: 
     for c in cases:
         shape = c["case"]
         by = rows(c)
-        assert set(by) == {"sdpa", "torch_native"}  # triton cannot run on a CPU: left out by default
+        assert set(by) == {"sdpa", "torch_native", "flex_attention"}  # triton cannot run on a CPU: left out
         ours, sdpa = by["torch_native"], by["sdpa"]
-        for r in (ours, sdpa):
+        for r in (ours, sdpa, by["flex_attention"]):
             assert r["ok"] and 0 <= r["max_abs_err"] <= r["tolerance"] == 1e-4 and r["median_ms"] > 0
             assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["runs"] >= 3
         assert ours["time_ratio"]["sdpa"] == pytest.approx(ours["median_ms"] / sdpa["median_ms"])
@@ -85,7 +85,8 @@ def test_a_wrong_backend_is_reported_not_timed(tmp_path: Path, monkeypatch: pyte
         return real(self, *args, **kwargs) * 1.01
 
     monkeypatch.setattr(TorchNativeBackend, "forward_decode", off_by_a_bit)
-    result, report = bench(tmp_path, "--phase", "decode", "--page-size", "1", "--no-baselines")
+    result, report = bench(tmp_path, "--phase", "decode", "--page-size", "1", "--no-baselines",
+                           "--backend", "torch_native")
     assert result.exit_code == 1
     (case,) = report["cases"]
     (row,) = case["rows"]
