@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
-from sglx.attention.diffusion.sparse.fa4_route import PADDED_ENV, fa4_modules, fa4_supports
+from sglx.attention.diffusion.sparse.fa4_route import fa4_modules, fa4_supports
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend, _cached_layout
@@ -268,7 +268,6 @@ def main() -> None:
         import importlib.metadata as md
         with contextlib.suppress(md.PackageNotFoundError):
             info["flash_attn_4"] = md.version("flash-attn-4")
-    os.environ[PADDED_ENV] = "1"  # measure FA4's mask_mod path on padded layouts too (checked vs float64 here)
     configs = [] if args.no_sweep else [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 128, 4, 3),
                                         (128, 128, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3)]
     if args.tiny:

@@ -113,9 +113,10 @@ def _launch(config: BlockSparseConfig, layout: BlockSparseLayout, head_dim: int,
     elif torch.version.hip:  # 64 KB LDS: small tiles, no multi-stage buffering (not measured)
         cap_m, cap_n, warps, stages = 64, 64, 4, 1
     elif torch.cuda.get_device_capability(device)[0] >= 9:
-        # H100 sweep, STA 85% at 69,120 tokens, 12 heads, D128: 128x64 with 4 warps, 3 stages 9.55 ms; 128x128
-        # 8 warps 10.03; 128x32 4 warps 4 stages 10.92; 64x64 11.70; 128x64 8 warps 11.88
-        cap_m, cap_n, warps, stages = 128, 64, 4, 3
+        # H100 sweeps (benchmarks/results/bench_sparse_video_h100.json), D128, 12 heads, STA 3x3x3: 69,120
+        # tokens (85%): 128x64 4 warps 2 stages 9.53 ms, 3 stages 10.26, 8 warps 3 stages 11.87, 128x128 14.09;
+        # Wan 21x30x52 padded tiles: 128x64 4 warps 2 stages 5.29 ms, 3 stages 7.53, 128x32 6.06, 8 warps 6.06
+        cap_m, cap_n, warps, stages = 128, 64, 4, 2
     else:
         cap_m, cap_n, warps, stages = (128, 64, 8, 2) if head_dim == 128 else (128, 64, 4, 3)
     block_m = config.block_m or _largest_divisor_tile(layout.q_block, cap_m)
