@@ -32,8 +32,7 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mha", "flex_attention"),
-               ("llm", "mla", "torch_native"),
-               ("llm", "mla", "triton"),
+               ("llm", "mla", "torch_native"), ("llm", "mla", "triton"), ("llm", "mla", "flashinfer"),
                ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
                ("diffusion", "dit", "video_sparse_attn"), ("diffusion", "dit", "vmoba_attn"),
@@ -120,7 +119,6 @@ MHA_MATRIX = {
 }
 # (fp8 KV, fp4 KV, chunked prefix cache, spec topk=1, spec topk>1)
 MLA_MATRIX = {
-    "flashinfer": (False, True, True, True, False),
     "flashmla": (True, True, True, True, False),
     "cutlass_mla": (True, True, True, True, False),
     "trtllm_mla": (True, True, True, True, False),
@@ -153,6 +151,10 @@ def test_mla_backends_sglx_implements_declare_what_they_do() -> None:
         assert isinstance(f, LLMFeatures) and s.implemented
         assert (f.page_sizes, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1) == (None, True, False, False, False)
         assert f.cuda_graph == graphs == s.load().supports_cuda_graph
+    fi = spec("llm", "mla", "flashinfer")
+    assert fi.implemented and fi.factory == "sglx.attention.llm.flashinfer_mla:FlashInferMLABackend"
+    assert isinstance(fi.features, LLMFeatures) and fi.features.page_sizes is not None
+    assert (fi.features.page_sizes.sizes, fi.features.fp8_kv, fi.features.cuda_graph) == ((1,), False, False)
 
 
 def test_torch_native_declares_what_sglx_implements() -> None:

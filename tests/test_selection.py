@@ -331,6 +331,13 @@ EXPLICIT = [
                  id="flashinfer_mla-default"),
     pytest.param("a100", MLA, LLMBackendArgs(attention_backend="flashinfer", page_size=16), None,
                  ("page size 16 is not supported", "flashinfer needs --page-size 1"), id="flashinfer_mla-page16"),
+    pytest.param("a100", ModelTraits(mla=True, head_dim=40, dtype="float32"),
+                 LLMBackendArgs(attention_backend="flashinfer"), None,
+                 ("head dim 40 is not supported: needs one of 576", "dtype float32 is not supported"),
+                 id="flashinfer_mla-tiny-fp32-model"),
+    pytest.param("a100", ModelTraits(mla=True, head_dim=576, dtype="bfloat16"),
+                 LLMBackendArgs(attention_backend="flashinfer"), ("flashinfer", "flashinfer", 1), (),
+                 id="flashinfer_mla-deepseek-bf16"),
     pytest.param("h100_cu124", MLA, LLMBackendArgs(attention_backend="fa3", spec_topk=2, page_size=16), None,
                  ("topk>1 on fa3 needs --page-size 1",), id="fa3_mla-topk2-page16"),
     pytest.param("h100_cu124", MLA, LLMBackendArgs(attention_backend="fa3", spec_topk=2), ("fa3", "fa3", 1), (),
@@ -613,7 +620,7 @@ def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, b
     if traits is MHA:
         assert "Backends that would run here: triton, torch_native" in msg
     else:
-        assert "Backends that would run here: triton, torch_native" in msg
+        assert "Backends that would run here: flashinfer, triton, torch_native" in msg
 
 
 def test_real_registry_cpu() -> None:

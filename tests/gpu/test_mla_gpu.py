@@ -1,5 +1,6 @@
 """MLA on a real GPU: the triton MLA decode kernel at DeepSeek-V3 shapes vs float64, the triton and torch_native MLA
-backends and CUDA graphs on tiny DeepSeek models vs transformers, and a dummy DeepSeek-V2-Lite one-batch step.
+backends and CUDA graphs on tiny DeepSeek models vs transformers, doctor --check's MLA problem for triton, flashinfer
+and torch_native, and a dummy DeepSeek-V2-Lite one-batch step.
 
 Not yet run on a GPU (written in a CPU-only session). Run on the lent machine:
 PYTHONPATH=src python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py -q
@@ -140,3 +141,20 @@ def test_dummy_deepseek_v2_lite_one_batch(tmp_path: Path) -> None:
                            OneBatchConfig(batch_sizes=(1, 32), input_len=512, output_len=8))
     for result in report["results"]:
         assert result["ratio_to_floor"] < 3.0, result  # the issue's target is 1.5x; this only guards regressions
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch_native"])
+def test_doctor_check_mla_backends(backend: str) -> None:
+    """doctor --check's MLA problem (latent 512 + rope 64, extend over cached prefixes then decode, bf16) per backend.
+
+    FlashInfer needs its wheels (see /work/shared/DEVICE.md); without them the test skips."""
+    from sglx import platform
+    from sglx.attention.checks import run_check
+    from sglx.attention.registry import availability, find
+
+    spec = find(backend, "llm", "mla")
+    snap = platform.current()
+    if not availability(spec, snap).ok:
+        pytest.skip(f"{backend} MLA cannot run here: {availability(spec, snap).reasons}")
+    result = run_check(spec, snap)
+    assert result.status == "pass", result

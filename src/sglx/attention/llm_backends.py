@@ -11,6 +11,8 @@ from sglx.attention.requirements import (
     Capability,
     CapabilityIn,
     CpuFlags,
+    Dtypes,
+    HeadDims,
     OnPlatform,
     Package,
     TorchAtLeast,
@@ -143,10 +145,15 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="flashinfer", family="llm", kind="mla", title="FlashInfer MLA",
-    summary="FlashInfer MLA kernels.",
-    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",))),
-    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
-                         chunked_prefix_cache=True, page_sizes=PageSizeRule((1,)), cuda_graph=True),
+    summary="FlashInfer's paged MLA kernel (absorbed weights) over the latent pool, one token per page.",
+    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",)), Dtypes(("float16", "bfloat16")),
+              HeadDims(allowed=(576,))),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         chunked_prefix_cache=False, page_sizes=PageSizeRule((1,)), cuda_graph=False),
+    factory="sglx.attention.llm.flashinfer_mla:FlashInferMLABackend",
+    notes="BatchMLAPagedAttentionWrapper for decode and (causal) extend, latent 512 + rope 64 (head dim 576); "
+          "wrapper logic tested on CPU against a stand-in of its documented contract; the kernel itself is judged "
+          "on a GPU by tests/gpu/test_mla_gpu.py and doctor --check (not yet run there). No CUDA graphs yet.",
 ))
 
 register(BackendSpec(

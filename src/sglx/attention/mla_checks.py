@@ -13,7 +13,7 @@ import torch
 from sglx.attention.registry import BackendSpec
 from sglx.platform import PlatformSnapshot
 
-H, DN, DR, DV, R = 8, 32, 16, 32, 64
+H, DN, DR, DV, R = 8, 32, 64, 32, 512  # DeepSeek's latent 512 + rope 64: what every MLA kernel is built for
 
 
 def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device, dtype: torch.dtype

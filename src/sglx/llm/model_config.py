@@ -83,7 +83,9 @@ class ModelConfig:
 
     def attention_traits(self, dtype: str) -> ModelTraits:
         """What backend selection needs to know about this model running in `dtype`."""
-        return ModelTraits(mla=self.mla is not None, head_dim=self.head_dim, dtype=dtype,
+        # an MLA backend's kernels see one latent "head" of kv_lora_rank + qk_rope_head_dim (576 for DeepSeek)
+        head_dim = self.mla.latent_dim if self.mla is not None else self.head_dim
+        return ModelTraits(mla=self.mla is not None, head_dim=head_dim, dtype=dtype,
                            sliding_window=self.uses_sliding_window)
 
     @property
