@@ -103,8 +103,8 @@ def test_malformed_strategy_file_is_one_clear_error(tmp_path, content, needle):
 def test_missing_file_missing_key_window_too_large_and_mode(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         SlidingTileAttentionBackend({"mask_strategy_file_path": str(tmp_path / "nope.json")})
-    with pytest.raises(ConfigError, match="needs mask_strategy_file_path"):
-        SlidingTileAttentionBackend({})
+    with pytest.raises(ConfigError, match="STA_searching needs mask_strategy_file_path"):
+        SlidingTileAttentionBackend({"sta_mode": "STA_searching"})
     path = _strategy(tmp_path, 1, 2)
     with pytest.raises(ConfigError, match="sta_mode 'STA_tuning' is not supported"):
         SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "sta_mode": "STA_tuning"})
@@ -182,3 +182,15 @@ def test_mask_search_writes_the_smallest_window_within_tolerance(tmp_path):
     inference = SlidingTileAttentionBackend({"mask_strategy_file_path": str(out), "skip_time_steps": 1},
                                             tile=(1, 2, 2))
     assert inference.forward(q, k, v, meta=meta, layer=0).shape == q.shape
+
+
+def test_without_a_strategy_file_every_head_uses_the_default_window_cut_to_the_grid():
+    backend = SlidingTileAttentionBackend({"skip_time_steps": 0}, tile=(1, 2, 2))  # doctor --check builds it so
+    meta = DiTAttnMetadata(grid=(5, 4, 4), num_heads=2, head_dim=8)
+    seen = []
+    original = backend.attend
+    backend.attend = lambda *a, **kw: seen.append(a[4]) or original(*a, **kw)
+    q = torch.randn(1, 80, 2, 8, dtype=torch.float64)
+    backend.forward(q, q, q, meta=meta, layer=7)
+    assert seen == [((3, 2, 2), (3, 2, 2))]
+    assert torch.allclose(backend.forward(q, q, q, meta=None), backend.forward_dense(q, q, q))

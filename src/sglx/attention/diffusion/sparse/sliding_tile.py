@@ -43,6 +43,7 @@ from sglx.errors import ConfigError, SglxError
 __all__ = ["SlidingTileAttentionBackend", "sta_layout", "sta_tile_mask", "uniform_strategy", "write_uniform_strategy"]
 
 DEFAULT_TILE: Grid = (6, 8, 8)
+DEFAULT_WINDOW: Window = (3, 3, 3)  # without a strategy file (programmatic use only; the CLI requires one)
 MODES = ("STA_inference", "STA_searching")
 
 
@@ -103,12 +104,9 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
     def __init__(self, config: Mapping[str, Any] | None = None, *, tile: Grid | None = None,
                  block: int | None = None) -> None:
         super().__init__(config)
+        # The CLI requires the file (the registry's schema); programmatic callers (doctor --check, tests) may
+        # leave it out and get DEFAULT_WINDOW for every layer and head, cut to the grid.
         path = self.config.get("mask_strategy_file_path")
-        if not path:
-            raise ConfigError("sliding_tile_attn needs mask_strategy_file_path (a FastVideo STA mask strategy "
-                              "JSON); write one with sglx.attention.diffusion.sparse.sliding_tile."
-                              "write_uniform_strategy(path, num_layers, num_heads, (3, 3, 3))",
-                              "mask_strategy_file_path")
         mode = self.config.get("sta_mode", "STA_inference")
         if mode not in MODES:
             raise ConfigError(f"sliding_tile_attn sta_mode {mode!r} is not supported; choose STA_inference (windows "
@@ -118,11 +116,14 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         self.skip_time_steps = int(self.config.get("skip_time_steps", 15))
         if self.skip_time_steps < 0:
             raise ConfigError(f"skip_time_steps must be >= 0; got {self.skip_time_steps}", "skip_time_steps")
-        self.path = str(path)
+        if mode == "STA_searching" and not path:
+            raise ConfigError("sta_mode STA_searching needs mask_strategy_file_path: the searched windows are written "
+                              "there", "mask_strategy_file_path")
+        self.path = str(path or "")
         self.search: SearchRecord | None = SearchRecord() if mode == "STA_searching" else None
         self.candidates: tuple[Window, ...] = DEFAULT_CANDIDATES
         self.tolerance = DEFAULT_TOLERANCE
-        self.strategy: MaskStrategy | None = None if self.search is not None else load_strategy(path)
+        self.strategy: MaskStrategy | None = load_strategy(path) if path and self.search is None else None
         self.tile = tile or self.default_tile
         self.block = block
         self.route: str | None = None  # the kernel the last sparse call ran (routes.pick_route), and why
@@ -145,8 +146,10 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
                             f"and {meta.text_tokens} text tokens make {meta.seq_len}")
         if self.search is not None:
             return self._search(q, k, v, meta, layer, scale)
-        assert self.strategy is not None
-        windows = self.strategy.layer_windows(meta.step_index, layer, q.shape[2])
+        if self.strategy is None:
+            windows = (clamp_window(DEFAULT_WINDOW, self._tiles(meta, q)),) * q.shape[2]
+        else:
+            windows = self.strategy.layer_windows(meta.step_index, layer, q.shape[2])
         return self.attend(q, k, v, meta, windows, scale=scale, where=f"layer {layer}")
 
     def _search(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata, layer: int,
@@ -155,8 +158,7 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         rewrite the strategy file (after the last layer of a step when the layer count is known)."""
         assert self.search is not None
         dense = self.forward_dense(q, k, v, scale=scale)
-        tiles = tile_order(meta.grid, self.tile, meta.text_tokens, meta.text_position != "suffix",
-                           self.block or _default_block(q)).tiles_per_dim
+        tiles = self._tiles(meta, q)
         windows = list(dict.fromkeys(clamp_window(w, tiles) for w in self.candidates))
         for i, window in enumerate(windows):
             sparse = self.attend(q, k, v, meta, (window,) * q.shape[2], scale=scale, where=f"layer {layer}")
@@ -164,6 +166,10 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if meta.num_layers is None or layer == meta.num_layers - 1:
             self.search.write(self.path, self.tolerance)
         return dense
+
+    def _tiles(self, meta: DiTAttnMetadata, q: torch.Tensor) -> Grid:
+        return tile_order(meta.grid, self.tile, meta.text_tokens, meta.text_position != "suffix",
+                          self.block or _default_block(q)).tiles_per_dim
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata,
                windows: tuple[Window, ...], *, scale: float | None = None, where: str = "") -> torch.Tensor:
