@@ -194,3 +194,38 @@ def test_without_a_strategy_file_every_head_uses_the_default_window_cut_to_the_g
     backend.forward(q, q, q, meta=meta, layer=7)
     assert seen == [((3, 2, 2), (3, 2, 2))]
     assert torch.allclose(backend.forward(q, q, q, meta=None), backend.forward_dense(q, q, q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["triton", "fa4"])
+@pytest.mark.parametrize(("grid", "window", "text", "position", "dim"), [
+    ((5, 13, 19), (1, 1, 3), 0, "none", 128),      # nothing divides by 6x8x8: padded tiles
+    ((6, 24, 24), (1, 3, 1), 77, "prefix", 64),    # FLUX-like text prefix (partial text block)
+])
+def test_gpu_backend_matches_float64_in_input_order(tmp_path, monkeypatch, route, grid, window, text, position,
+                                                    dim):
+    from sglx.attention.diffusion.sparse.fa4_route import fa4_supports
+    from sglx.attention.diffusion.sparse.routes import ENV
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    monkeypatch.setenv(ENV, route)
+    path = write_uniform_strategy(tmp_path / "s.json", 1, 4, window)
+    backend = SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "skip_time_steps": 0})
+    meta = DiTAttnMetadata(grid=grid, num_heads=4, head_dim=dim, text_tokens=text, text_position=position)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, meta.seq_len, 4, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if route == "fa4":
+        order = tile_order(grid, (6, 8, 8), text, True, 128)
+        from sglx.attention.diffusion.sparse.sliding_tile import _cached_layout
+
+        why = fa4_supports(q, _cached_layout(order, (window,), "cuda"))
+        if why:
+            pytest.skip(why)
+    got = backend.forward(q, k, v, meta=meta, layer=0)
+    assert backend.route == route
+    tile = tuple(min(t, g) for t, g in zip((6, 8, 8), grid))
+    allowed = brute_force_sta(grid, tile, window, text, True).cuda()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * dim ** -0.5
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v.double())
+    assert ((got.double() - want).norm() / want.norm()).item() <= 2e-2

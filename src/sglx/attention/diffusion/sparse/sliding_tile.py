@@ -13,6 +13,7 @@ kernel, or the plain-PyTorch masked reference off CUDA) is picked per call by ro
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -41,6 +42,8 @@ from sglx.attention.diffusion.sparse.tile_order import Grid, TileOrder, tile_ord
 from sglx.errors import ConfigError, SglxError
 
 __all__ = ["SlidingTileAttentionBackend", "sta_layout", "sta_tile_mask", "uniform_strategy", "write_uniform_strategy"]
+
+log = logging.getLogger("sglx.attention")
 
 DEFAULT_TILE: Grid = (6, 8, 8)
 DEFAULT_WINDOW: Window = (3, 3, 3)  # without a strategy file (programmatic use only; the CLI requires one)
@@ -181,8 +184,10 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if not order.identity:
             gather = _on(order.gather, q.device)
             q, k, v = (t.index_select(1, gather) for t in (q, k, v))
-        route, self.route_why = pick_route(q, layout)
-        self.route = route
+        route, why = pick_route(q, layout)
+        if route != self.route:  # shown once per change: which kernel STA runs and why
+            log.info("sliding_tile_attn: block-sparse route %s (%s)", route, why)
+        self.route, self.route_why = route, why
         out = run_block_sparse(q, k, v, layout, scale, route)
         if not order.identity:
             out = out.index_select(1, _on(order.scatter, q.device))
