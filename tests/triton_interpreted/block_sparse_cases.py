@@ -67,3 +67,52 @@ def test_empty_layout_gives_zeros():
     mask = torch.zeros(1, 1, 2, 2, dtype=torch.bool)
     out = block_sparse_attention(q, q, q, BlockSparseLayout.from_block_mask(mask, 16, 16, 32))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_q_map_reads_queries_and_writes_outputs_in_input_order():
+    """k/v in a permuted, padded layout order; q and out in input order through q_map (-1 = padding slot)."""
+    torch.manual_seed(2)
+    seq, slots = 40, 64
+    q, k, v = (torch.randn(1, seq, 2, 64) for _ in range(3))
+    perm = torch.randperm(seq)
+    gather = torch.full((slots,), -1, dtype=torch.int64)
+    where = torch.cat([torch.arange(0, 14), torch.arange(16, 30), torch.arange(32, 44)])  # 3 blocks of 16 padded
+    gather[where] = perm
+    lengths = torch.tensor([14, 14, 12, 0], dtype=torch.int32)
+    mask = torch.rand(1, 2, 4, 4) < 0.7
+    mask[..., 0] = True
+    layout = BlockSparseLayout.from_block_mask(mask, 16, 16, slots, lengths)
+    kp, vp, qp = (t[:, gather.clamp(min=0)] for t in (k, v, q))
+    want_slots = masked_attention(qp.double(), kp.double(), vp.double(), layout, 0.25)
+    got = block_sparse_attention(q, kp, vp, layout, 0.25, q_map=gather.to(torch.int32))
+    want = torch.zeros_like(want_slots[:, :seq])
+    want[:, perm] = want_slots[:, where]
+    assert got.shape == q.shape
+    assert (got.double() - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("route", ["triton", "reference"])
+def test_sta_backend_through_the_kernel_in_input_order(tmp_path, monkeypatch, route):
+    """sliding_tile_attn with the Triton route forced (k/v gathered, q/out through q_map) vs token-level STA."""
+    from sglx.attention.diffusion.metadata import DiTAttnMetadata
+    from sglx.attention.diffusion.sparse.routes import ENV
+    from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend, sta_tile_mask
+    from sglx.attention.diffusion.sparse.sta_strategy import write_uniform_strategy
+
+    monkeypatch.setenv(ENV, route)
+    path = write_uniform_strategy(tmp_path / "s.json", 1, 2, (1, 1, 3))
+    backend = SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "skip_time_steps": 0},
+                                          tile=(1, 2, 2), block=16)
+    meta = DiTAttnMetadata(grid=(2, 3, 7), num_heads=2, head_dim=64, text_tokens=5, text_position="prefix")
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, meta.seq_len, 2, 64) for _ in range(3))
+    got = backend.forward(q, k, v, meta=meta, layer=0)
+    assert backend.route == route
+    t, h, w = torch.meshgrid(torch.arange(2), torch.arange(3), torch.arange(7), indexing="ij")
+    tiles = (t // 1 * 2 * 4 + h // 2 * 4 + w // 2).reshape(-1)  # tile ids on a 2x2x4 grid of tiles
+    video = sta_tile_mask((2, 2, 4), ((1, 1, 3),))[0][tiles][:, tiles]
+    allowed = torch.ones(meta.seq_len, meta.seq_len, dtype=torch.bool)
+    allowed[5:, 5:] = video
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / 8
+    want = torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v.double())
+    assert (got.double() - want).abs().max().item() <= 1e-4

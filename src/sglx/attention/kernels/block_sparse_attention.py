@@ -35,13 +35,13 @@ class BlockSparseConfig:
 
 @triton.jit
 def _block_sparse_fwd(
-    Q, K, V, Out, Kv_Indices, Kv_Counts, K_Lengths,
+    Q, K, V, Out, Kv_Indices, Kv_Counts, K_Lengths, Q_Map,
     qk_scale, seq_len, num_heads,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_QMAP: tl.constexpr,
 ):
     SUBS: tl.constexpr = K_BLOCK // BLOCK_N
     pid_m = tl.program_id(0)
@@ -55,7 +55,12 @@ def _block_sparse_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_mask = offs_m < seq_len
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + offs_m[:, None].to(tl.int64) * stride_qs + head * stride_qh
+    if HAS_QMAP:  # query row of each slot in q/out (input order); -1 marks a padding slot: nothing to do
+        q_rows = tl.load(Q_Map + offs_m, mask=m_mask, other=-1)
+        m_mask = q_rows >= 0
+    else:
+        q_rows = offs_m
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + q_rows[:, None].to(tl.int64) * stride_qs + head * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :], mask=m_mask[:, None], other=0.0)
 
     row = Kv_Indices + b * stride_ib + head * stride_ih + q_blk * stride_iq
@@ -94,7 +99,7 @@ def _block_sparse_fwd(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query block with no key block gives zeros
-    o_ptrs = Out + b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_os + head * stride_oh
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + q_rows[:, None].to(tl.int64) * stride_os + head * stride_oh
     tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -124,12 +129,18 @@ def _launch(config: BlockSparseConfig, layout: BlockSparseLayout, head_dim: int,
     return block_m, block_n, config.num_warps or warps, config.num_stages or stages
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
+           q_map: torch.Tensor | None = None) -> None:
     """Bad input becomes one SglxError that says what would run, never a failure inside the kernel."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise SglxError(f"block-sparse attention takes q, k, v of shape [B, S, H, D] (k and v alike); got "
                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, s, hq, d = q.shape
+    if q_map is not None:
+        if q_map.shape != (layout.seq_len,) or q_map.dtype != torch.int32 or q_map.device != q.device:
+            raise SglxError(f"q_map must be int32 [{layout.seq_len}] on {q.device} (one q row or -1 per layout slot); "
+                            f"got {q_map.dtype} {tuple(q_map.shape)} on {q_map.device}")
+        s = layout.seq_len  # q/out rows are addressed through q_map
     if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
         raise SglxError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree (same batch and head dim; query "
                         "heads a multiple of key/value heads)")
@@ -141,7 +152,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSpars
         raise SglxError(f"block-sparse attention has kernels for head dims {HEAD_DIMS}; got {d}. Use a dense "
                         "backend (--attention-backend torch_sdpa) for this model.")
     if s != layout.seq_len or k.shape[1] != s:
-        raise SglxError(f"the block-sparse layout is for {layout.seq_len} tokens but q/k have {s}/{k.shape[1]}")
+        raise SglxError(f"the block-sparse layout is for {layout.seq_len} tokens but q/k have {q.shape[1]}/"
+                        f"{k.shape[1]}")
     lb, lh = layout.kv_indices.shape[:2]
     if lb not in (1, b) or lh not in (1, hq):
         raise SglxError(f"the layout's batch/head dims ({lb}, {lh}) must be 1 or match q's ({b}, {hq})")
@@ -159,12 +171,17 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSpars
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
                            scale: float | None = None, *, config: BlockSparseConfig = BlockSparseConfig(),
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, q_map: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] (fp16/bf16, D 64 or 128) -> [B, S, Hq, D]: each query block attends
     only the key blocks its layout row lists; padding keys never. Rows with no key block give zeros, like
-    `masked_attention`, the reference this kernel is tested against."""
-    _check(q, k, v, layout)
-    b, s, hq, d = q.shape
+    `masked_attention`, the reference this kernel is tested against.
+
+    With `q_map` (int32 [layout.seq_len]: the q row of each layout slot, -1 for padding slots), q and the
+    output stay in their own order ([B, Sq, Hq, D], any Sq) and only k/v are in layout order: a permuting
+    backend (STA's tile order) then gathers two tensors instead of three and scatters nothing back."""
+    _check(q, k, v, layout, q_map)
+    b, _, hq, d = q.shape
+    s = layout.seq_len
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q) if out is None else out
     if s == 0 or b == 0:
@@ -179,7 +196,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(s, block_m), b * hq)
     _block_sparse_fwd[grid](
-        q, k, v, out, idx, cnt, lengths if lengths is not None else cnt,
+        q, k, v, out, idx, cnt, lengths if lengths is not None else cnt, q_map if q_map is not None else cnt,
         float(scale) * LOG2E, s, hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -187,6 +204,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,
         GROUP=hq // k.shape[2], D=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=layout.q_block,
         K_BLOCK=layout.k_block, MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, HAS_QMAP=q_map is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

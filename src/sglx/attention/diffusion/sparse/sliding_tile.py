@@ -181,17 +181,21 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
                            self.block or _default_block(q))
         check_windows(windows, order.tiles_per_dim, meta.grid, where)
         layout = _cached_layout(order, windows, str(q.device))
-        if not order.identity:
-            gather = _on(order.gather, q.device)
-            q, k, v = (t.index_select(1, gather) for t in (q, k, v))
         route, why = pick_route(q, layout)
         if route != self.route:  # shown once per change: which kernel STA runs and why
             log.info("sliding_tile_attn: block-sparse route %s (%s)", route, why)
         self.route, self.route_why = route, why
+        if order.identity:
+            return run_block_sparse(q, k, v, layout, scale, route)
+        gather = _on(order.gather, q.device)
+        if route == "triton":  # the kernel reads q and writes out in input order: only k/v move
+            from sglx.attention.kernels.block_sparse_attention import block_sparse_attention
+
+            k, v = (t.index_select(1, gather) for t in (k, v))
+            return block_sparse_attention(q, k, v, layout, scale, q_map=_on(order.q_map, q.device))
+        q, k, v = (t.index_select(1, gather) for t in (q, k, v))
         out = run_block_sparse(q, k, v, layout, scale, route)
-        if not order.identity:
-            out = out.index_select(1, _on(order.scatter, q.device))
-        return out
+        return out.index_select(1, _on(order.scatter, q.device))
 
 
 def _default_block(q: torch.Tensor) -> int:

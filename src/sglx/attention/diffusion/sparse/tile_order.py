@@ -31,6 +31,7 @@ class TileOrder:
     block: int
     gather: torch.Tensor  # int64 [slots]: source token of each slot (pads repeat token 0, masked as keys)
     scatter: torch.Tensor  # int64 [seq]: slot of each source token
+    q_map: torch.Tensor  # int32 [slots]: source token of each slot, -1 for padding (the kernel's fused gather)
     block_tile: torch.Tensor  # int64 [num_blocks]: tile id of each block, -1 for text blocks
     k_lengths: torch.Tensor | None  # int32 [num_blocks]: real tokens per block (None: no padding)
     identity: bool  # the tile order is the input order: no gather needed
@@ -87,6 +88,8 @@ def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool =
     gather[scatter] = torch.arange(seq)
     real = torch.zeros(slots, dtype=torch.int32)
     real[scatter] = 1
+    q_map = torch.full((slots,), -1, dtype=torch.int32)
+    q_map[scatter] = torch.arange(seq, dtype=torch.int32)
 
     nb = cdiv(slots, block)
     block_tile = torch.full((nb,), -1, dtype=torch.int64)
@@ -96,6 +99,6 @@ def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool =
     lengths = torch.nn.functional.pad(real, (0, nb * block - slots)).view(nb, block).sum(1, dtype=torch.int32)
     full = bool((lengths[:-1] == block).all()) and slots == seq
     identity = slots == seq and bool(torch.equal(scatter, torch.arange(seq)))
-    return TileOrder(grid, tile, text_tokens, text_prefix, block, gather, scatter, block_tile,
+    return TileOrder(grid, tile, text_tokens, text_prefix, block, gather, scatter, q_map, block_tile,
                      None if full else lengths, identity)
 
