@@ -19,7 +19,7 @@ if [ ! -d /tmp/site/nvidia_cutlass_dsl/lib ] && [ "$(ls /tmp/parts/cu13.part_* 2
 fi
 export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_block_sparse_attention.py > "$OUT/gpu_tests_block_sparse_$TAG.txt" 2>&1
+timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_block_sparse_attention.py tests/test_sliding_tile.py > "$OUT/gpu_tests_block_sparse_$TAG.txt" 2>&1
 tail -3 "$OUT/gpu_tests_block_sparse_$TAG.txt"
 [ "${TESTS_ONLY:-0}" = 1 ] && exit 0
 timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_sparse_video.py ${BENCH_ARGS:-} --out "$OUT/bench_sparse_video_$TAG.json" \
