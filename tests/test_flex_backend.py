@@ -124,7 +124,7 @@ def _step_mask(page: int, mode: ForwardMode, window: int | None, prefix: list[in
     backend.init_forward_metadata(_batch(cache, mode, lo, steps[-1][1]))
     assert backend.step is not None
     backend.step.full_blocks = full_blocks  # as on CUDA (CPU Inductor cannot build them)
-    return backend.step.block_mask(window), backend.step.window.length
+    return backend.step.block_mask(window), backend.step.layout.length
 
 
 def _blocks(mask: torch.Tensor, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:

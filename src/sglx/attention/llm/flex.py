@@ -7,10 +7,10 @@ Each step plans once (`init_forward_metadata`): the step's keys as (request, pos
 [bs, Hq, 1] queries against the pool broadcast over the batch. GQA is flex's own (enable_gqa), the
 logit soft-cap a score_mod, sliding windows part of the mask.
 
-Compiled (`compile=on`, the default on CUDA) the keys are the whole pool and the fused kernel visits
-only the listed key blocks; on CUDA extend also lists full blocks (no mask evaluated there). Eager
-(`compile=off`, the default elsewhere) flex materializes the scores over every key it is given, so
-the keys are the smallest pool range the step touches (still a view, never a gather). On CPU the
+Compiled (`compile=on`, the default on CUDA) the keys are the whole pool in place (no copy) and the
+fused kernel visits only the listed key blocks; on CUDA extend also lists full blocks (no mask
+evaluated there). Eager (`compile=off`, the default elsewhere) flex materializes the scores over
+every key it is given, so the keys are the step's own slots, gathered once per layer. On CPU the
 compiled path builds static shapes only (each new batch shape recompiles, seconds each on two cores;
 dynamic shapes and full blocks hit Inductor C++ template bugs in torch 2.13), hence eager there:
 `compile=on` on CPU is for checking the fused path, not for serving (past dynamo's recompile limit
@@ -31,14 +31,15 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
 from sglx.attention.llm.flex_masks import (
-    KVWindow,
+    KVLayout,
+    StepKeys,
     StepTables,
     decode_block_mask,
     extend_block_mask,
+    gathered_layout,
     kv_tokens,
     slot_positions,
     soft_cap_score_mod,
-    touched_window,
 )
 from sglx.errors import BackendUnavailableError, ConfigError
 from sglx.llm.forward_batch import ForwardBatch
@@ -84,9 +85,9 @@ class _Step:
     """One step's plan; block masks are built on first use per sliding window and reused by later layers."""
 
     decode: bool
-    window: KVWindow
+    layout: KVLayout
     tables: StepTables
-    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    keys: StepKeys
     seq_lens: list[int]
     qo_indptr: list[int]
     prefix_lens: list[int]
@@ -96,9 +97,9 @@ class _Step:
     def block_mask(self, sliding_window: int | None) -> BlockMask:
         if sliding_window not in self.masks:
             if self.decode:
-                mask = decode_block_mask(self.tables, self.window, self.kv, self.seq_lens, sliding_window)
+                mask = decode_block_mask(self.tables, self.layout, self.keys, self.seq_lens, sliding_window)
             else:
-                mask = extend_block_mask(self.tables, self.window, self.kv, self.qo_indptr, self.prefix_lens,
+                mask = extend_block_mask(self.tables, self.layout, self.keys, self.qo_indptr, self.prefix_lens,
                                          sliding_window, full_blocks=self.full_blocks)
             self.masks[sliding_window] = mask
         return self.masks[sliding_window]
@@ -124,17 +125,18 @@ class FlexAttentionBackend(AttentionBackend):
         self.step: _Step | None = None
 
     # ------------------------------------------------------------------ metadata
-    def _window(self, slots: torch.Tensor) -> KVWindow:
-        if self.compiled or slots.numel() == 0:  # whole pool: fixed shapes, the block lists do the skipping
-            return KVWindow(0, int(self.ctx.token_kv_pool.k_buffer[0].shape[0]))
-        return touched_window(slots)
+    def _layout(self, slots: torch.Tensor) -> KVLayout:
+        if self.compiled or slots.numel() == 0:  # whole pool in place: fixed shapes, the block lists skip
+            return KVLayout(int(self.ctx.token_kv_pool.k_buffer[0].shape[0]))
+        return gathered_layout(slots)  # eager scores every key it is given: only the step's own
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         r2t = batch.req_to_token_pool.req_to_token
         rows = [int(r) for r in batch.req_pool_indices.tolist()]
         seq_lens = list(batch.seq_lens_cpu)
-        kv = kv_tokens(r2t, rows, seq_lens)
-        window = self._window(kv[2])
+        req, pos, slots = kv_tokens(r2t, rows, seq_lens)
+        layout = self._layout(slots)
+        keys = StepKeys(req, pos, layout.key_rows(slots))
         device = r2t.device
         decode = batch.mode.is_decode
         if decode:
@@ -152,9 +154,9 @@ class FlexAttentionBackend(AttentionBackend):
             qo_indptr = [0]
             for n in ext:
                 qo_indptr.append(qo_indptr[-1] + n)
-        tables = StepTables(r2t, slot_positions(kv[2], kv[1], window), q_rows, q_pos,
-                            torch.tensor(window.base, dtype=torch.int32, device=device))
-        self.step = _Step(decode, window, tables, kv, seq_lens, qo_indptr, prefix,
+        key_slot = None if layout.slots is None else layout.slots.to(torch.int32)
+        tables = StepTables(r2t, slot_positions(keys, layout), q_rows, q_pos, key_slot)
+        self.step = _Step(decode, layout, tables, keys, seq_lens, qo_indptr, prefix,
                           full_blocks=self.ctx.device.type == "cuda")
 
     # ------------------------------------------------------------------ attention
@@ -166,12 +168,13 @@ class FlexAttentionBackend(AttentionBackend):
         return self._score_mods[cap]
 
     def _pool_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window of this layer's K/V buffers as [1, Hkv, S, D] views (no copy)."""
+        """This layer's keys/values as [1, Hkv, S, D]: views of the whole pool, or the step's slots gathered."""
         assert self.step is not None, "init_forward_metadata(batch) must run first"
-        w = self.step.window
+        slots = self.step.layout.slots
         pool = batch.token_kv_pool
-        k = pool.k_buffer[layer.layer_id][w.base:w.base + w.length]
-        v = pool.v_buffer[layer.layer_id][w.base:w.base + w.length]
+        k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        if slots is not None:
+            k, v = k.index_select(0, slots), v.index_select(0, slots)
         return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
 
     def _attend(self, q: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Block masks over the paged KV pool for the flex_attention backend.
 
-The keys flex_attention sees are rows of the pool itself (a window `[base, base + kv_len)` of the
-per-layer K/V buffer), so nothing is gathered: paging lives entirely in the mask. A key row `kv`
-holds slot `s = base + kv`; `slot_pos[kv]` is the position that slot has in the requests of this step
-(-1 if none). A query of request row `r` at position `P` may read slot `s` at position `p` iff
-`0 <= p <= P`, `req_to_token[r, p] == s` (the slot is really this request's, which also holds for a
+The keys flex_attention sees are rows of the pool: the whole per-layer K/V buffer as a view (key row
+`kv` is slot `kv`; compiled runs, nothing copied), or only the step's own slots gathered in slot order
+(key row `kv` is slot `key_slot[kv]`; eager runs, which materialize scores over every key they get).
+Either way paging lives in the mask: `slot_pos[kv]` is the position the key row's slot has in the
+requests of this step (-1 if none), and a query of request row `r` at position `P` may read it iff
+`0 <= p <= P`, `req_to_token[r, p]` is that slot (it really is this request's, which also holds for a
 radix-shared prefix page) and, with a sliding window `W`, `p > P - W`.
 
 The block lists (`kv_num_blocks`/`kv_indices`) name, per query block, only the key blocks holding a
@@ -27,11 +28,15 @@ KV_BLOCK = 128
 
 
 @dataclass(frozen=True)
-class KVWindow:
-    """Pool rows the step's keys are taken from: the whole pool (compiled) or the touched range (eager)."""
+class KVLayout:
+    """Which pool rows are flex's keys: all of them in place (`slots` None) or the given sorted slots."""
 
-    base: int
     length: int
+    slots: torch.Tensor | None = None  # gathered: key row i holds pool slot slots[i]
+
+    def key_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Key row of each slot."""
+        return slots if self.slots is None else torch.searchsorted(self.slots, slots)
 
 
 @dataclass(frozen=True)
@@ -39,10 +44,19 @@ class StepTables:
     """Per-step lookup tables the mask reads; built once per step, shared by every layer."""
 
     req_to_token: torch.Tensor  # [rows, max_context] int32, the live table (read, never copied)
-    slot_pos: torch.Tensor  # [window.length] int32: position of the slot in this step's requests, -1 if none
+    slot_pos: torch.Tensor  # [layout.length] int32: position of the key row's slot in this step, -1 if none
     q_row: torch.Tensor  # extend: [T] req_to_token row per packed query; decode: [bs] per batch entry
     q_pos: torch.Tensor  # same shape: the query's position
-    base: torch.Tensor  # 0-dim int32: window.base (a tensor, so compiled code does not specialize on it)
+    key_slot: torch.Tensor | None  # gathered layout: [layout.length] int32 slot of each key row
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """Every key of the step, request after request (CSR order): its request, position and key row."""
+
+    req: torch.Tensor
+    pos: torch.Tensor
+    row: torch.Tensor
 
 
 def kv_tokens(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
@@ -58,16 +72,16 @@ def kv_tokens(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
     return req, pos, slots
 
 
-def touched_window(slots: torch.Tensor) -> KVWindow:
-    """The smallest pool range holding every slot of the step (eager flex materializes scores over it)."""
-    lo, hi = int(slots.min()), int(slots.max()) + 1
-    return KVWindow(lo, hi - lo)
+def gathered_layout(slots: torch.Tensor) -> KVLayout:
+    """Only the step's own slots (sorted, a radix-shared one once): what eager flex should score."""
+    unique = torch.unique(slots)
+    return KVLayout(int(unique.numel()), unique)
 
 
-def slot_positions(slots: torch.Tensor, pos: torch.Tensor, window: KVWindow) -> torch.Tensor:
-    """Inverse of req_to_token over the window; a radix-shared slot has one position in every request."""
-    table = torch.full((window.length,), -1, dtype=torch.int32, device=slots.device)
-    table[slots - window.base] = pos.to(torch.int32)
+def slot_positions(keys: StepKeys, layout: KVLayout) -> torch.Tensor:
+    """Inverse of req_to_token over the key rows; a radix-shared slot has one position in every request."""
+    table = torch.full((layout.length,), -1, dtype=torch.int32, device=keys.row.device)
+    table[keys.row] = keys.pos.to(torch.int32)
     return table
 
 
@@ -78,19 +92,19 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
-def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      qo_indptr: list[int], prefix_lens: list[int], sliding_window: int | None,
+def extend_block_mask(tables: StepTables, layout: KVLayout, keys: StepKeys, qo_indptr: list[int],
+                      prefix_lens: list[int], sliding_window: int | None,
                       full_blocks: bool = True) -> BlockMask:
-    """Packed queries [1, H, T] over the window: each query block lists the key blocks it may read.
+    """Packed queries [1, H, T] over the key rows: each query block lists the key blocks it may read.
 
     Key `p` of request i is read by the queries at positions max(p, prefix_i) .. min(last_i, p + W - 1);
     that is a contiguous run of packed rows, so each key marks a run of query blocks (difference array).
     """
-    req, pos, slots = kv
-    device = slots.device
+    req, pos, rows = keys.req, keys.pos, keys.row
+    device = rows.device
     total_q = qo_indptr[-1]
     nq = -(-total_q // Q_BLOCK)
-    nk = -(-window.length // KV_BLOCK)
+    nk = -(-layout.length // KV_BLOCK)
     qo = torch.tensor(qo_indptr[:-1], dtype=torch.long, device=device)[req]
     prefix = torch.tensor(prefix_lens, dtype=torch.long, device=device)[req]
     last = torch.tensor(qo_indptr[1:], dtype=torch.long, device=device)[req] - qo + prefix - 1
@@ -99,7 +113,7 @@ def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tens
     keep = first_q <= last_q
     qa = (qo + first_q - prefix)[keep] // Q_BLOCK
     qz = (qo + last_q - prefix)[keep] // Q_BLOCK
-    kb = (slots[keep] - window.base) // KV_BLOCK
+    kb = rows[keep] // KV_BLOCK
     diff = torch.zeros((nq + 1, nk), dtype=torch.int32, device=device)
     ones = torch.ones_like(kb, dtype=torch.int32)
     diff.index_put_((qa, kb), ones, accumulate=True)
@@ -107,27 +121,27 @@ def extend_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tens
     needed = torch.cumsum(diff, 0)[:nq] > 0
     full_counts = full_order = None
     if full_blocks:
-        full = _full_extend_blocks(tables, window, kv, qo_indptr, sliding_window, nq, nk) & needed
+        full = _full_extend_blocks(tables, keys, qo_indptr, sliding_window, nq, nk) & needed
         needed = needed & ~full
         full_counts, full_order = _ordered(full[None, None])
     counts, order = _ordered(needed[None, None])
     return BlockMask.from_kv_blocks(counts, order, full_counts, full_order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
                                     mask_mod=paged_mask_mod(tables, sliding_window, decode=False),
-                                    seq_lengths=(total_q, window.length), compute_q_blocks=False)
+                                    seq_lengths=(total_q, layout.length), compute_q_blocks=False)
 
 
-def _full_extend_blocks(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        qo_indptr: list[int], sliding_window: int | None, nq: int, nk: int) -> torch.Tensor:
+def _full_extend_blocks(tables: StepTables, keys: StepKeys, qo_indptr: list[int], sliding_window: int | None,
+                        nq: int, nk: int) -> torch.Tensor:
     """[nq, nk] blocks where the mask holds for every element, so the kernel can skip evaluating it.
 
     Only whole blocks qualify: a query block of one request (positions P0..P1) and a key block whose
-    KV_BLOCK slots all hold that request's keys at positions p <= P0 (and p > P1 - W with a window).
+    KV_BLOCK key rows all hold that request's keys at positions p <= P0 (and p > P1 - W with a window).
     Tail blocks and query blocks spanning two requests stay partial (the mask decides there).
     """
-    req, pos, slots = kv
-    device = slots.device
+    req, pos = keys.req, keys.pos
+    device = pos.device
     bs = len(qo_indptr) - 1
-    key = req * nk + (slots - window.base) // KV_BLOCK
+    key = req * nk + keys.row // KV_BLOCK
     cells = bs * nk
     count = torch.bincount(key, minlength=cells).view(bs, nk)
     high = torch.full((cells,), -1, dtype=torch.long, device=device).scatter_reduce(0, key, pos, "amax")
@@ -150,34 +164,34 @@ def _full_extend_blocks(tables: StepTables, window: KVWindow, kv: tuple[torch.Te
     return full
 
 
-def decode_block_mask(tables: StepTables, window: KVWindow, kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      seq_lens: list[int], sliding_window: int | None) -> BlockMask:
+def decode_block_mask(tables: StepTables, layout: KVLayout, keys: StepKeys, seq_lens: list[int],
+                      sliding_window: int | None) -> BlockMask:
     """One query per batch entry [bs, H, 1]: entry i lists exactly the key blocks holding its own keys."""
-    req, pos, slots = kv
-    device = slots.device
+    req, pos, rows = keys.req, keys.pos, keys.row
+    device = rows.device
     bs = len(seq_lens)
-    nk = -(-window.length // KV_BLOCK)
+    nk = -(-layout.length // KV_BLOCK)
     keep = torch.ones_like(pos, dtype=torch.bool)
     if sliding_window:
         last = torch.tensor(seq_lens, dtype=torch.long, device=device)[req] - 1
         keep = pos > last - sliding_window
     dense = torch.zeros((bs, nk), dtype=torch.bool, device=device)
-    dense[req[keep], (slots[keep] - window.base) // KV_BLOCK] = True
+    dense[req[keep], rows[keep] // KV_BLOCK] = True
     counts, order = _ordered(dense[:, None, None, :])
     return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
                                     mask_mod=paged_mask_mod(tables, sliding_window, decode=True),
-                                    seq_lengths=(1, window.length), compute_q_blocks=False)
+                                    seq_lengths=(1, layout.length), compute_q_blocks=False)
 
 
 def paged_mask_mod(tables: StepTables, sliding_window: int | None, decode: bool) -> Callable:
     """The element rule of the module docstring; decode indexes its tables by batch entry, extend by query."""
-    r2t, slot_pos, q_row, q_pos, base = (tables.req_to_token, tables.slot_pos, tables.q_row, tables.q_pos,
-                                         tables.base)
+    r2t, slot_pos, q_row, q_pos, key_slot = (tables.req_to_token, tables.slot_pos, tables.q_row, tables.q_pos,
+                                             tables.key_slot)
 
     def allowed(row: torch.Tensor, at: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         p = slot_pos[kv_idx]
-        ok = (p >= 0) & (p <= at)
-        ok = ok & (r2t[row, torch.clamp(p, min=0)] == kv_idx + base)
+        slot = kv_idx if key_slot is None else key_slot[kv_idx]
+        ok = (p >= 0) & (p <= at) & (r2t[row, torch.clamp(p, min=0)] == slot)
         if sliding_window:
             ok = ok & (p > at - sliding_window)
         return ok
