@@ -147,7 +147,7 @@ register(BackendSpec(
     name="flashinfer", family="llm", kind="mla", title="FlashInfer MLA",
     summary="FlashInfer's paged MLA kernel (absorbed weights) over the latent pool, one token per page.",
     requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",)), Dtypes(("float16", "bfloat16")),
-              HeadDims(allowed=(576,))),
+              HeadDims(allowed=(576,), what="MLA latent dim (kv_lora_rank + qk_rope_head_dim)")),
     features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          chunked_prefix_cache=False, page_sizes=PageSizeRule((1,)), cuda_graph=False),
     factory="sglx.attention.llm.flashinfer_mla:FlashInferMLABackend",

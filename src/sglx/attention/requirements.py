@@ -212,28 +212,29 @@ class HeadDims(Requirement):
     allowed: tuple[int, ...] = ()
     max: int | None = None
     multiple_of: int | None = None
+    what: str = "head dim"  # how messages name it (MLA kernels: the latent width kv_lora_rank + qk_rope_head_dim)
 
     def check(self, snap: PlatformSnapshot, req: AttentionRequest) -> str | None:
         d = req.head_dim
         if d is None:
             return None
         if self.allowed and d not in self.allowed:
-            return f"head dim {d} is not supported: needs one of {', '.join(map(str, self.allowed))}"
+            return f"{self.what} {d} is not supported: needs one of {', '.join(map(str, self.allowed))}"
         if self.max is not None and d > self.max:
-            return f"head dim {d} is not supported: needs <= {self.max}"
+            return f"{self.what} {d} is not supported: needs <= {self.max}"
         if self.multiple_of and d % self.multiple_of:
-            return f"head dim {d} is not supported: needs a multiple of {self.multiple_of}"
+            return f"{self.what} {d} is not supported: needs a multiple of {self.multiple_of}"
         return None
 
     def describe(self) -> str:
         if self.allowed:
-            return "head dim " + "/".join(map(str, self.allowed))
+            return f"{self.what} " + "/".join(map(str, self.allowed))
         parts = []
         if self.max is not None:
             parts.append(f"<= {self.max}")
         if self.multiple_of:
             parts.append(f"multiple of {self.multiple_of}")
-        return "head dim " + ", ".join(parts)
+        return f"{self.what} " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
