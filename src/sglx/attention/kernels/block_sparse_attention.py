@@ -178,7 +178,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
 
     With `q_map` (int32 [layout.seq_len]: the q row of each layout slot, -1 for padding slots), q and the
     output stay in their own order ([B, Sq, Hq, D], any Sq) and only k/v are in layout order: a permuting
-    backend (STA's tile order) then gathers two tensors instead of three and scatters nothing back."""
+    backend (STA's tile order) then gathers two tensors instead of three and scatters nothing back. Measured
+    on H100 (STA 85%, 69,120 tokens, D128) it was slower than gathering q and scattering out with torch
+    (11.28 vs 9.98 ms), so sliding_tile_attn does not use it."""
     _check(q, k, v, layout, q_map)
     b, _, hq, d = q.shape
     s = layout.seq_len
