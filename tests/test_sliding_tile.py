@@ -229,3 +229,15 @@ def test_gpu_backend_matches_float64_in_input_order(tmp_path, monkeypatch, route
     scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * dim ** -0.5
     want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v.double())
     assert ((got.double() - want).norm() / want.norm()).item() <= 2e-2
+
+
+def test_strategy_writer_command(tmp_path, capsys):
+    from sglx.attention.diffusion.sparse.sta_strategy import main
+
+    out = tmp_path / "wan.json"
+    assert main([str(out), "--layers", "2", "--heads", "3", "--window", "1,3,5"]) == 0
+    strategy = load_strategy(out)
+    assert strategy.layer_windows(20, 1, 3) == ((1, 3, 5),) * 3
+    with pytest.raises(SystemExit):
+        main([str(out), "--layers", "2", "--heads", "3", "--window", "1,3"])
+    assert "three integers" in capsys.readouterr().err

@@ -95,3 +95,33 @@ def write_uniform_strategy(path: str | Path, num_layers: int, num_heads: int, wi
     file = Path(path)
     file.write_text(json.dumps(uniform_strategy(num_layers, num_heads, window), indent=1))
     return file
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sglx.attention.diffusion.sparse.sta_strategy OUT --layers 30 --heads 12 --window 3,3,3`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sglx.attention.diffusion.sparse.sta_strategy",
+                                 description="Write a uniform STA mask strategy (FastVideo JSON) for "
+                                             "--attention-backend-config mask_strategy_file_path=OUT.")
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, required=True, help="DiT blocks (Wan2.1-1.3B: 30)")
+    ap.add_argument("--heads", type=int, required=True, help="attention heads per block (Wan2.1-1.3B: 12)")
+    ap.add_argument("--window", default="3,3,3", help="wt,wh,ww in 6x8x8-token tiles (default 3,3,3)")
+    args = ap.parse_args(argv)
+    try:
+        window = tuple(int(x) for x in args.window.split(","))
+        if len(window) != 3:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--window {args.window!r}: give three integers, e.g. 3,3,3")
+    try:
+        path = write_uniform_strategy(args.out, args.layers, args.heads, window)  # type: ignore[arg-type]
+    except (ValueError, OSError) as exc:
+        ap.error(str(exc))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
