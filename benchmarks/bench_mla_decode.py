@@ -25,7 +25,12 @@ import torch
 
 from sglx.attention.kernels.common import num_sms
 from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
-from sglx.attention.kernels.mla_decode import MLADecodeConfig, choose_num_kv_splits, mla_decode_attention
+from sglx.attention.kernels.mla_decode import (
+    MLADecodeConfig,
+    choose_num_kv_splits,
+    head_blocks,
+    mla_decode_attention,
+)
 from sglx.bench.timing import TimingBudget, median_ms
 from sglx.llm.kv_cache import ReqToTokenPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
@@ -73,7 +78,7 @@ class Case:
 
 def triton_route(case: Case, interpret: bool, config: MLADecodeConfig = MLADecodeConfig()
                  ) -> Callable[[], torch.Tensor]:
-    splits = choose_num_kv_splits(case.batch, -(-case.heads // config.block_h), case.context,
+    splits = choose_num_kv_splits(case.batch, head_blocks(case.heads, config), case.context,
                                   num_sms(case.device), config)
     out = torch.empty(case.batch, case.heads, case.r, dtype=case.dtype, device=case.device)
     mid_o = torch.empty(case.batch, case.heads, splits, case.r, dtype=torch.float32, device=case.device)

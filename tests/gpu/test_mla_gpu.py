@@ -29,7 +29,12 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits."""
     from sglx.attention.kernels.common import num_sms
     from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
-    from sglx.attention.kernels.mla_decode import MLADecodeConfig, choose_num_kv_splits, mla_decode_attention
+    from sglx.attention.kernels.mla_decode import (
+        MLADecodeConfig,
+        choose_num_kv_splits,
+        head_blocks,
+        mla_decode_attention,
+    )
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
 
@@ -52,8 +57,7 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
     build_kv_indices(r2t.req_to_token, torch.tensor(rows, device=DEV), kv_indptr, kv_indices)
     config = MLADecodeConfig()
-    splits = choose_num_kv_splits(len(lens), -(-heads // config.block_h), max(lens), num_sms(torch.device(DEV)),
-                                  config)
+    splits = choose_num_kv_splits(len(lens), head_blocks(heads, config), max(lens), num_sms(torch.device(DEV)), config)
     q = torch.randn(len(lens), heads, r + dr, generator=gen).to(DEV, dtype)
     out = torch.empty(len(lens), heads, r, dtype=dtype, device=DEV)
     mid_o = torch.empty(len(lens), heads, splits, r, dtype=torch.float32, device=DEV)

@@ -141,6 +141,16 @@ def test_triton_mla_backend_matches_torch_native_and_float64(page, kv_cache_dtyp
         lo = [a + n for a, n in zip(lo, new)]
 
 
+def test_split_count_is_sized_by_head_blocks():
+    """One stage-1 program per 16 heads: DeepSeek-V3's 128 heads are 8 programs per split, not 1 (fewer splits)."""
+    from sglx.attention.kernels.mla_decode import head_blocks
+
+    assert [head_blocks(h) for h in (4, 16, 20, 128)] == [1, 1, 2, 8]
+    c = Latents([5], 1, R, DR, torch.float32)
+    backend = TritonMLABackend(BackendContext(torch.device("cpu"), torch.float32, 128, 1, R + DR, 1, c.r2t, c.pool))
+    assert backend._programs_per_split() == 8
+
+
 def test_absorbed_decode_helpers_round_trip():
     """absorb_q / apply_uv are the bmm forms of the einsums the reference uses."""
     gen = torch.Generator().manual_seed(2)

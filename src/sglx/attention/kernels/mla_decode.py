@@ -20,7 +20,7 @@ import triton.language as tl
 from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_compute, online_softmax_step, padded_dim
 from sglx.attention.kernels.decode_attention import _decode_stage2, _split_range, choose_num_kv_splits
 
-__all__ = ["MLADecodeConfig", "choose_num_kv_splits", "mla_decode_attention"]
+__all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class MLADecodeConfig:
     num_stages: int | None = None
     min_chunk: int = 64  # fewest keys a split is worth
     waves: int = 4  # stage-1 programs aimed at per SM when choosing the number of splits
+
+
+def _block_h(heads: int, config: MLADecodeConfig) -> int:
+    return min(config.block_h, max(16, triton.next_power_of_2(heads)))
+
+
+def head_blocks(heads: int, config: MLADecodeConfig = MLADecodeConfig()) -> int:
+    """Stage-1 programs per request and split: what the split count should be sized by."""
+    return triton.cdiv(heads, _block_h(heads, config))
 
 
 @triton.jit
@@ -110,7 +119,7 @@ def mla_decode_attention(
         raise ValueError(f"latent buffer {tuple(kv_buffer.shape)} does not match the query width {dim}")
     max_splits = mid_lse.shape[-1]
     block_n, num_warps, num_stages = _launch(config, interpret)
-    block_h = min(config.block_h, max(16, triton.next_power_of_2(h)))
+    block_h = _block_h(h, config)
     _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
         q, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
         scaling * kv_scale * LOG2E, float(kv_scale), max_splits, config.min_chunk,

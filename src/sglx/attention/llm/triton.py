@@ -101,7 +101,7 @@ class TritonBackend(AttentionBackend):
         meta = _Metadata(kv_indptr, kv_indices)
         bs = batch.batch_size
         if batch.mode.is_decode:
-            splits = choose_num_kv_splits(bs, self.ctx.num_kv_heads, max(batch.seq_lens_cpu, default=0),
+            splits = choose_num_kv_splits(bs, self._programs_per_split(), max(batch.seq_lens_cpu, default=0),
                                           num_sms(self.ctx.device), self.decode_config)
             meta.mid_o = torch.empty((bs, self.ctx.num_q_heads, splits, self.v_head_dim), dtype=torch.float32,
                                      device=self.ctx.device)
@@ -118,9 +118,13 @@ class TritonBackend(AttentionBackend):
             meta.prefix_tokens = sum(batch.extend_prefix_lens_cpu or [])
         self.meta = meta
 
+    def _programs_per_split(self) -> int:
+        """Decode stage-1 programs per request and KV split (one per KV head here): sizes the split count."""
+        return self.ctx.num_kv_heads
+
     # ------------------------------------------------------------------ CUDA graphs (decode only)
     def _graph_splits(self, bs: int, max_context: int) -> int:
-        return choose_num_kv_splits(bs, self.ctx.num_kv_heads, max_context, num_sms(self.ctx.device),
+        return choose_num_kv_splits(bs, self._programs_per_split(), max_context, num_sms(self.ctx.device),
                                     self.decode_config)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

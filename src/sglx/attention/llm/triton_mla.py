@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sglx.attention.kernels.extend_attention import extend_attention
-from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+from sglx.attention.kernels.mla_decode import MLADecodeConfig, head_blocks, mla_decode_attention
 from sglx.attention.llm.mla_base import (
     MLAAttentionBackend,
     MLALayerSpec,
@@ -34,6 +34,10 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
     supports_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
+
+    def _programs_per_split(self) -> int:
+        """The MLA kernel runs one program per head block (all heads share the one latent 'KV head')."""
+        return head_blocks(self.ctx.num_q_heads, self.mla_decode_config)
 
     def forward_mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
