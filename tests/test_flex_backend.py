@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_mask
 from sglx import platform
 from sglx.attention.checks import run_check
 from sglx.attention.llm.base import BackendContext, LayerSpec
-from sglx.attention.llm.flex import FlexAttentionBackend, resolve_compile
+from sglx.attention.llm.flex import FlexAttentionBackend, decode_bucket, resolve_compile
 from sglx.attention.llm.flex_masks import KV_BLOCK, Q_BLOCK
 from sglx.attention.llm.torch_native import TorchNativeBackend
 from sglx.attention.registry import find
@@ -165,8 +165,12 @@ def test_block_lists_are_exactly_the_blocks_with_an_allowed_key(page, mode, wind
 
 def test_compiled_on_cpu_over_the_whole_pool_matches():
     """compile=on on CPU: the fused kernel walks the block lists over the whole pool (static shapes), as on CUDA."""
-    steps = [(ForwardMode.EXTEND, [21, 6, 1, 140]), (ForwardMode.DECODE, [1, 1, 1, 1])]
-    assert _replay(16, 4, 2, None, 0.0, shared=13, compile="on", steps=steps) <= TOL
+    steps = [(ForwardMode.EXTEND, [21, 6, 140]), (ForwardMode.DECODE, [1, 1, 1])]  # decode padded to 4 rows
+    assert _replay(16, 4, 2, None, 0.0, shared=13, compile="on", prefix=PREFIX[:3], steps=steps) <= TOL
+
+
+def test_compiled_decode_runs_power_of_two_batches():
+    assert [decode_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
 
 def test_doctor_check_passes_with_the_flex_backend():

@@ -9,7 +9,8 @@ logit soft-cap a score_mod, sliding windows part of the mask.
 
 Compiled (`compile=on`, the default on CUDA) the keys are the whole pool in place (no copy) and the
 fused kernel visits only the listed key blocks; on CUDA extend also lists full blocks (no mask
-evaluated there). Eager (`compile=off`, the default elsewhere) flex materializes the scores over
+evaluated there); decode runs static batches padded to a power of two (flex's split-KV decoding
+kernel needs a static batch). Eager (`compile=off`, the default elsewhere) flex materializes the scores over
 every key it is given, so the keys are the step's own slots, gathered once per layer. On CPU the
 compiled path builds static shapes only (each new batch shape recompiles, seconds each on two cores;
 dynamic shapes and full blocks hit Inductor C++ template bugs in torch 2.13), hence eager there:
@@ -58,13 +59,28 @@ def _flex_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
     return flex_attention(*args, **kwargs)
 
 
+# Compiled decode is static in the batch (flex's split-KV decoding kernel needs a static batch, dynamic
+# ones fall back to the prefill kernel with 127 of 128 query rows idle), padded to a power of two: one
+# graph per bucket, so the per-function recompile limit must cover every bucket up to a few thousand.
+RECOMPILE_LIMIT = 64
+
+
 @lru_cache(maxsize=4)
 def _compiled_flex(decode: bool, dynamic: bool) -> Callable:
     """One compiled flex_attention per phase and process, shared by every backend instance and layer.
 
-    Two wrappers, so extend and decode keep separate dynamo caches (and recompile limits).
+    Two wrappers, so extend and decode keep separate dynamo caches (and recompile limits). Past the
+    limit torch would run flex eagerly, materializing scores over the whole pool: raise it once here.
     """
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(_flex_decode if decode else _flex_extend, dynamic=dynamic)
+
+
+def decode_bucket(bs: int) -> int:
+    """Batch size a compiled decode step runs at: the next power of two (padding rows attend to nothing)."""
+    return 1 << max(bs - 1, 0).bit_length()
 
 
 def resolve_compile(setting: object, device: torch.device) -> bool:
@@ -91,13 +107,15 @@ class _Step:
     seq_lens: list[int]
     qo_indptr: list[int]
     prefix_lens: list[int]
+    batch_rows: int  # decode: the batch flex runs (padded to a bucket when compiled)
     full_blocks: bool  # list mask-free blocks apart (CUDA; Inductor's CPU template fails to build them)
     masks: dict[int | None, BlockMask] = field(default_factory=dict)
 
     def block_mask(self, sliding_window: int | None) -> BlockMask:
         if sliding_window not in self.masks:
             if self.decode:
-                mask = decode_block_mask(self.tables, self.layout, self.keys, self.seq_lens, sliding_window)
+                mask = decode_block_mask(self.tables, self.layout, self.keys, self.seq_lens, sliding_window,
+                                         self.batch_rows)
             else:
                 mask = extend_block_mask(self.tables, self.layout, self.keys, self.qo_indptr, self.prefix_lens,
                                          sliding_window, full_blocks=self.full_blocks)
@@ -118,9 +136,10 @@ class FlexAttentionBackend(AttentionBackend):
                 "triton or torch_native for fp8 KV")
         self.compiled = resolve_compile(ctx.config.get("compile", "auto"), ctx.device)
         # CPU Inductor compiles flex only with static shapes (dynamic ones fail to build in torch 2.13)
+        # (decode is static: see RECOMPILE_LIMIT)
         dynamic = ctx.device.type == "cuda"
-        self._flex = {phase: _compiled_flex(phase, dynamic) if self.compiled else flex_attention
-                      for phase in (False, True)}
+        self._flex = {False: _compiled_flex(False, dynamic), True: _compiled_flex(True, False)} if self.compiled \
+            else {False: flex_attention, True: flex_attention}
         self._score_mods: dict[float, Callable] = {}
         self.step: _Step | None = None
 
@@ -139,9 +158,12 @@ class FlexAttentionBackend(AttentionBackend):
         keys = StepKeys(req, pos, layout.key_rows(slots))
         device = r2t.device
         decode = batch.mode.is_decode
+        batch_rows = len(rows)
         if decode:
-            q_rows = torch.tensor(rows, dtype=torch.int32, device=device)
-            q_pos = torch.tensor(seq_lens, dtype=torch.int32, device=device) - 1
+            batch_rows = decode_bucket(len(rows)) if self.compiled else len(rows)
+            pad = batch_rows - len(rows)
+            q_rows = torch.tensor(rows + [0] * pad, dtype=torch.int32, device=device)
+            q_pos = torch.tensor([s - 1 for s in seq_lens] + [-1] * pad, dtype=torch.int32, device=device)
             qo_indptr, prefix = list(range(len(rows) + 1)), [s - 1 for s in seq_lens]
         else:
             ext, prefix = list(batch.extend_seq_lens_cpu), list(batch.extend_prefix_lens_cpu)
@@ -156,7 +178,7 @@ class FlexAttentionBackend(AttentionBackend):
                 qo_indptr.append(qo_indptr[-1] + n)
         key_slot = None if layout.slots is None else layout.slots.to(torch.int32)
         tables = StepTables(r2t, slot_positions(keys, layout), q_rows, q_pos, key_slot)
-        self.step = _Step(decode, layout, tables, keys, seq_lens, qo_indptr, prefix,
+        self.step = _Step(decode, layout, tables, keys, seq_lens, qo_indptr, prefix, batch_rows,
                           full_blocks=self.ctx.device.type == "cuda")
 
     # ------------------------------------------------------------------ attention
@@ -197,4 +219,8 @@ class FlexAttentionBackend(AttentionBackend):
         if save_kv_cache:
             self.save_kv(k, v, layer, batch)
         q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
-        return self._attend(q.unsqueeze(2), layer, batch).squeeze(2)  # [bs, Hq, 1, D] -> [bs, Hq, D]
+        assert self.step is not None, "init_forward_metadata(batch) must run first"
+        bs, pad = q.shape[0], self.step.batch_rows - q.shape[0]
+        if pad:
+            q = torch.cat([q, q.new_zeros((pad, *q.shape[1:]))])
+        return self._attend(q.unsqueeze(2), layer, batch).squeeze(2)[:bs]  # [bs, Hq, 1, D] -> [bs, Hq, D]

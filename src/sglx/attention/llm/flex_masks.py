@@ -165,11 +165,14 @@ def _full_extend_blocks(tables: StepTables, keys: StepKeys, qo_indptr: list[int]
 
 
 def decode_block_mask(tables: StepTables, layout: KVLayout, keys: StepKeys, seq_lens: list[int],
-                      sliding_window: int | None) -> BlockMask:
-    """One query per batch entry [bs, H, 1]: entry i lists exactly the key blocks holding its own keys."""
+                      sliding_window: int | None, batch_rows: int | None = None) -> BlockMask:
+    """One query per batch entry [bs, H, 1]: entry i lists exactly the key blocks holding its own keys.
+
+    `batch_rows` > len(seq_lens) pads the batch (compiled decode runs bucketed sizes): padding lists nothing.
+    """
     req, pos, rows = keys.req, keys.pos, keys.row
     device = rows.device
-    bs = len(seq_lens)
+    bs = batch_rows or len(seq_lens)
     nk = -(-layout.length // KV_BLOCK)
     keep = torch.ones_like(pos, dtype=torch.bool)
     if sliding_window:
