@@ -10,8 +10,9 @@ logit soft-cap a score_mod, sliding windows part of the mask.
 Compiled (`compile=on`, the default on CUDA) the keys are the whole pool in place (no copy) and the
 fused kernel visits only the listed key blocks; on CUDA extend also lists full blocks (no mask
 evaluated there); decode runs static batches padded to a power of two (flex's split-KV decoding
-kernel needs a static batch). Eager (`compile=off`, the default elsewhere) flex materializes the scores over
-every key it is given, so the keys are the step's own slots, gathered once per layer. On CPU the
+kernel needs a static batch). Eager (`compile=off`, the default elsewhere) flex materializes the
+scores over every key it is given, so the keys are gathered once per layer: the step's own slots for
+extend, and for decode each request's own keys as one row of a [bs, Hkv, max_len] batch. On CPU the
 compiled path builds static shapes only (each new batch shape recompiles, seconds each on two cores;
 dynamic shapes and full blocks hit Inductor C++ template bugs in torch 2.13), hence eager there:
 `compile=on` on CPU is for checking the fused path, not for serving (past dynamo's recompile limit
@@ -39,6 +40,7 @@ from sglx.attention.llm.flex_masks import (
     extend_block_mask,
     gathered_layout,
     kv_tokens,
+    own_keys_decode_block_mask,
     slot_positions,
     soft_cap_score_mod,
 )
@@ -101,22 +103,27 @@ class _Step:
     """One step's plan; block masks are built on first use per sliding window and reused by later layers."""
 
     decode: bool
-    layout: KVLayout
-    tables: StepTables
-    keys: StepKeys
+    layout: KVLayout | None
+    tables: StepTables | None
+    keys: StepKeys | None
     seq_lens: list[int]
     qo_indptr: list[int]
     prefix_lens: list[int]
     batch_rows: int  # decode: the batch flex runs (padded to a bucket when compiled)
     full_blocks: bool  # list mask-free blocks apart (CUDA; Inductor's CPU template fails to build them)
+    own_slots: torch.Tensor | None = None  # eager decode: [bs, max_len] each request's slots (padded: slot 0)
     masks: dict[int | None, BlockMask] = field(default_factory=dict)
 
     def block_mask(self, sliding_window: int | None) -> BlockMask:
         if sliding_window not in self.masks:
-            if self.decode:
+            if self.own_slots is not None:
+                mask = own_keys_decode_block_mask(self.seq_lens, sliding_window, self.own_slots.device)
+            elif self.decode:
+                assert self.tables is not None and self.layout is not None and self.keys is not None
                 mask = decode_block_mask(self.tables, self.layout, self.keys, self.seq_lens, sliding_window,
                                          self.batch_rows)
             else:
+                assert self.tables is not None and self.layout is not None and self.keys is not None
                 mask = extend_block_mask(self.tables, self.layout, self.keys, self.qo_indptr, self.prefix_lens,
                                          sliding_window, full_blocks=self.full_blocks)
             self.masks[sliding_window] = mask
@@ -153,6 +160,9 @@ class FlexAttentionBackend(AttentionBackend):
         r2t = batch.req_to_token_pool.req_to_token
         rows = [int(r) for r in batch.req_pool_indices.tolist()]
         seq_lens = list(batch.seq_lens_cpu)
+        if batch.mode.is_decode and not self.compiled:
+            self.step = self._own_keys_step(r2t, rows, seq_lens)
+            return
         req, pos, slots = kv_tokens(r2t, rows, seq_lens)
         layout = self._layout(slots)
         keys = StepKeys(req, pos, layout.key_rows(slots))
@@ -181,6 +191,16 @@ class FlexAttentionBackend(AttentionBackend):
         self.step = _Step(decode, layout, tables, keys, seq_lens, qo_indptr, prefix, batch_rows,
                           full_blocks=self.ctx.device.type == "cuda")
 
+    @staticmethod
+    def _own_keys_step(r2t: torch.Tensor, rows: list[int], seq_lens: list[int]) -> _Step:
+        """Eager decode: each request's own slots as one padded row, so no entry scores another's keys."""
+        max_len = max(seq_lens)
+        own = r2t[torch.tensor(rows, dtype=torch.long, device=r2t.device), :max_len].long()
+        lens = torch.tensor(seq_lens, device=r2t.device)
+        own = own.masked_fill(torch.arange(max_len, device=r2t.device)[None, :] >= lens[:, None], 0)
+        return _Step(True, None, None, None, seq_lens, list(range(len(rows) + 1)), [s - 1 for s in seq_lens],
+                     len(rows), full_blocks=False, own_slots=own)
+
     # ------------------------------------------------------------------ attention
     def _score_mod(self, cap: float) -> Callable | None:
         if cap <= 0:
@@ -190,11 +210,15 @@ class FlexAttentionBackend(AttentionBackend):
         return self._score_mods[cap]
 
     def _pool_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys/values as [1, Hkv, S, D]: views of the whole pool, or the step's slots gathered."""
+        """This layer's keys/values: [1, Hkv, S, D] views of the whole pool or the step's slots gathered, or
+        (eager decode) [bs, Hkv, max_len, D] each request's own."""
         assert self.step is not None, "init_forward_metadata(batch) must run first"
-        slots = self.step.layout.slots
         pool = batch.token_kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        if self.step.own_slots is not None:  # [bs, max_len, Hkv, D] -> [bs, Hkv, max_len, D]
+            return k[self.step.own_slots].permute(0, 2, 1, 3), v[self.step.own_slots].permute(0, 2, 1, 3)
+        assert self.step.layout is not None
+        slots = self.step.layout.slots
         if slots is not None:
             k, v = k.index_select(0, slots), v.index_select(0, slots)
         return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)

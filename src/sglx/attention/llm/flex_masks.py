@@ -186,6 +186,29 @@ def decode_block_mask(tables: StepTables, layout: KVLayout, keys: StepKeys, seq_
                                     seq_lengths=(1, layout.length), compute_q_blocks=False)
 
 
+def own_keys_decode_block_mask(seq_lens: list[int], sliding_window: int | None, device: torch.device) -> BlockMask:
+    """Decode over each request's own keys gathered as [bs, Hkv, max_len] (eager): key row j is position j.
+
+    Each entry then scores only its own keys (max_len of them) instead of every key of the batch.
+    """
+    last = torch.tensor(seq_lens, dtype=torch.long, device=device) - 1
+    max_len = max(seq_lens)
+    start = torch.arange(-(-max_len // KV_BLOCK), device=device) * KV_BLOCK
+    dense = start[None, :] <= last[:, None]
+    if sliding_window:
+        dense &= start[None, :] + KV_BLOCK - 1 > last[:, None] - sliding_window
+    counts, order = _ordered(dense[:, None, None, :])
+
+    def own_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        ok = kv_idx <= last[b]
+        if sliding_window:
+            ok = ok & (kv_idx > last[b] - sliding_window)
+        return ok
+
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=own_mask,
+                                    seq_lengths=(1, max_len), compute_q_blocks=False)
+
+
 def paged_mask_mod(tables: StepTables, sliding_window: int | None, decode: bool) -> Callable:
     """The element rule of the module docstring; decode indexes its tables by batch entry, extend by query."""
     r2t, slot_pos, q_row, q_pos, key_slot = (tables.req_to_token, tables.slot_pos, tables.q_row, tables.q_pos,
