@@ -16,8 +16,12 @@ Stages (every one seeded; the step counts actually run are written to train_info
      one-frame batches (the first latent frame is a causal encoding of the first frame alone), and
      some 17-frame clips stand still under a still prompt. EMA weights are the ones saved.
 
-    # the shipped model: one GPU (see README.md of the model for the run that made it)
+    # a full run on one GPU (about 10 minutes; the shipped model's two runs and their flags are in
+    # src/sglx/diffusion/embedded/tiny-shapes/README.md)
     python scripts/train_tiny_shapes.py --device cuda --out /tmp/tiny-shapes
+    # go on from a saved folder: fine-tune its VAE decoder on 17-frame clips, then train its DiT further
+    python scripts/train_tiny_shapes.py --device cuda --resume /tmp/tiny-shapes --out /tmp/tiny-shapes-2 \
+        --finetune-seconds 60 --dit-seconds 110
     # smoke test on CPU (seconds; the model draws nothing useful)
     python scripts/train_tiny_shapes.py --device cpu --vae-steps 2 --dit-steps 2 --clips 64 --batch 4 --out /tmp/s
 
@@ -83,6 +87,18 @@ def build_models(vocab: int):  # noqa: ANN201
     return text_encoder, vae, transformer, scheduler
 
 
+def load_models(folder: Path):  # noqa: ANN201
+    """The components of a model folder this script saved, in float32, for a resumed run."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import PreTrainedTokenizerFast, UMT5EncoderModel
+
+    return (UMT5EncoderModel.from_pretrained(str(folder / "text_encoder")),
+            AutoencoderKLWan.from_pretrained(str(folder / "vae")),
+            WanTransformer3DModel.from_pretrained(str(folder / "transformer")),
+            FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler")),
+            PreTrainedTokenizerFast.from_pretrained(str(folder / "tokenizer")))
+
+
 # -------------------------------------------------------------------------------------------- data
 
 
@@ -116,15 +132,15 @@ def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
         lr = args.vae_lr * schedule(step, 100, max(step / args.vae_steps, (time.time() - t0) / args.vae_seconds))
         for g in opt.param_groups:
             g["lr"] = lr
-        frames = 1 if step % 4 == 0 else task.NUM_FRAMES
+        frames = 1 if step % 4 == 0 else args.vae_frames
         x = render_batch(random_specs(rng, args.vae_batch, 0.15), rng, frames).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             h = vae._encode(x)
             mu, logvar = h.float().chunk(2, dim=1)
             logvar = logvar.clamp(-30, 20)
             z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
-            rec = vae._decode(z, return_dict=False)[0].float()
-        weight = 1.0 + 4.0 * (x.amax(dim=1, keepdim=True) > 0).float()
+            rec = decode_unclamped(vae, z).float()
+        weight = 1.0 + args.lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
         err = rec - x
         rec_loss = (weight * (err.abs() + err.square())).mean()
         kl = 0.5 * (mu.square() + logvar.exp() - 1 - logvar).mean()
@@ -134,7 +150,7 @@ def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
         losses.append(rec_loss.item())
-        if step % 100 == 0 or step == args.vae_steps:
+        if step % args.log_every == 0 or step == args.vae_steps:
             log(f"vae step {step} rec {np.mean(losses[-100:]):.4f} kl {kl.item():.3f} lr {lr:.2e} "
                 f"{time.time() - t0:.0f}s")
         if time.time() - t0 > args.vae_seconds:
@@ -144,6 +160,64 @@ def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
     info = {"vae_steps_run": step, "vae_rec_loss": float(np.mean(losses[-100:])), "vae_seconds": time.time() - t0}
     info["vae_recon_attributes_right"] = vae_recon_check(vae, args, device)
     log(f"vae: {info['vae_recon_attributes_right']:.3f} of attributes right after reconstruction")
+    return info
+
+
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """AutoencoderKLWan._decode without its final clamp to [-1, 1]: training through the clamp starves
+    every pixel pushed past black of gradient, and the decoder then learns to draw nothing at all."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    outs = []
+    for i in range(x.shape[2]):
+        vae._conv_idx = [0]
+        outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(outs, 2)
+
+
+def finetune_decoder(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
+    """Train only the decoder on full 17-frame clips, decoding the frozen encoder's posterior means.
+
+    Why: a VAE trained on 9-frame clips decodes latent frames 3+ badly (the causal caches of chunk 3
+    onwards hold real frames where chunk 2's hold the single first frame). Keeping the encoder frozen
+    keeps the latent space, so a DiT already trained on it stays valid."""
+    rng = np.random.default_rng(args.seed + 6)
+    params = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
+    vae.requires_grad_(False)
+    for q in params:
+        q.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.finetune_lr, weight_decay=0.0)
+    vae.decoder.train()
+    t0, step, losses = time.time(), 0, []
+    for step in range(1, args.finetune_steps + 1):
+        lr = args.finetune_lr * schedule(step, 50, max(step / args.finetune_steps,
+                                                       (time.time() - t0) / args.finetune_seconds))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = render_batch(random_specs(rng, args.vae_batch, 0.15), rng, task.NUM_FRAMES).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.no_grad():
+                z = vae._encode(x)[:, :Z_DIM]
+            rec = decode_unclamped(vae, z).float()
+        weight = 1.0 + args.lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
+        err = rec - x
+        loss = (weight * (err.abs() + err.square())).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % args.log_every == 0 or step == args.finetune_steps:
+            log(f"decoder step {step} rec {np.mean(losses[-args.log_every:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
+        if time.time() - t0 > args.finetune_seconds:
+            log(f"decoder: time limit after {step} steps")
+            break
+    vae.eval().requires_grad_(False)
+    info = {"finetune_steps_run": step, "finetune_rec_loss": float(np.mean(losses[-args.log_every:])),
+            "finetune_seconds": time.time() - t0}
+    info["vae_recon_attributes_right_after_finetune"] = vae_recon_check(vae, args, device)
+    log(f"decoder: {info['vae_recon_attributes_right_after_finetune']:.3f} of attributes right after reconstruction")
     return info
 
 
@@ -228,7 +302,7 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         with torch.no_grad():
             torch._foreach_lerp_(list(ema.parameters()), list(models.parameters()), 1 - decay)
         losses.append(loss.item())
-        if step % 200 == 0 or step == args.dit_steps:
+        if step % (2 * args.log_every) == 0 or step == args.dit_steps:
             log(f"dit step {step} loss {np.mean(losses[-200:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
         if time.time() - t0 > args.dit_seconds:
             log(f"dit: time limit after {step} steps")
@@ -240,23 +314,43 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
 # -------------------------------------------------------------------------------------------- main
 
 
+def portable_tokenizer(folder: Path) -> None:
+    """Name the tokenizer PreTrainedTokenizerFast (transformers 5 saves TokenizersBackend, which 4.x lacks)."""
+    index_path, cfg_path = folder / "model_index.json", folder / "tokenizer" / "tokenizer_config.json"
+    index, cfg = json.loads(index_path.read_text()), json.loads(cfg_path.read_text())
+    index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output model folder")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vae-steps", type=int, default=3000)
-    p.add_argument("--vae-batch", type=int, default=32)
+    p.add_argument("--vae-batch", type=int, default=16)
+    p.add_argument("--vae-frames", type=int, default=17, help="frames of the VAE's training clips (4k+1); "
+                   "9 are not enough: chunks 3+ of a 17-frame clip then decode badly")
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--kl-weight", type=float, default=1e-4)
-    p.add_argument("--vae-seconds", type=float, default=150.0, help="stop the VAE stage after this long")
-    p.add_argument("--clips", type=int, default=16384, help="clips encoded once for the DiT stage")
+    p.add_argument("--vae-seconds", type=float, default=240.0, help="stop the VAE stage after this long")
+    p.add_argument("--clips", type=int, default=12288, help="clips encoded once for the DiT stage")
     p.add_argument("--dit-steps", type=int, default=8000)
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dit-lr", type=float, default=8e-4)
     p.add_argument("--text-dropout", type=float, default=0.1)
     p.add_argument("--ema", type=float, default=0.999)
-    p.add_argument("--dit-seconds", type=float, default=270.0, help="stop the DiT stage after this long")
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--dit-seconds", type=float, default=300.0, help="stop the DiT stage after this long")
+    p.add_argument("--lit-weight", type=float, default=8.0, help="extra reconstruction weight of lit pixels")
+    p.add_argument("--resume", default="", help="a model folder this script saved: fine-tune its VAE decoder "
+                   "on 17-frame clips (encoder frozen, so the latent space stays), then go on training its DiT "
+                   "and text encoder; the VAE stage is skipped")
+    p.add_argument("--finetune-steps", type=int, default=2000)
+    p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument("--finetune-seconds", type=float, default=0.0, help="decoder fine-tune time (with --resume)")
     args = p.parse_args()
 
     from diffusers import WanPipeline
@@ -274,24 +368,33 @@ def main() -> None:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    tokenizer = word_tokenizer.build_word_tokenizer(task.WORDS)
-    text_encoder, vae, transformer, scheduler = build_models(len(tokenizer))
+    info: dict = {"args": vars(args), "torch": torch.__version__,
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if args.resume:
+        text_encoder, vae, transformer, scheduler, tokenizer = load_models(Path(args.resume))
+        previous = Path(args.resume) / "train_info.json"
+        info["resumed_from"] = json.loads(previous.read_text()) if previous.is_file() else {}
+    else:
+        tokenizer = word_tokenizer.build_word_tokenizer(task.WORDS)
+        text_encoder, vae, transformer, scheduler = build_models(len(tokenizer))
     for name, m in (("text_encoder", text_encoder), ("vae", vae), ("transformer", transformer)):
         log(f"{name}: {sum(x.numel() for x in m.parameters()) / 1e6:.3f}M parameters")
     text_encoder, vae, transformer = text_encoder.to(device), vae.to(device), transformer.to(device)
     t_start = time.time()
-    info: dict = {"args": vars(args), "torch": torch.__version__,
-                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    info.update(train_vae(vae, args, device, log))
+    if not args.resume:
+        info.update(train_vae(vae, args, device, log))
+    elif args.finetune_seconds > 0:
+        info.update(finetune_decoder(vae, args, device, log))
     vae.requires_grad_(False)
 
     t = time.time()
     latents, specs = encode_dataset(vae, args, device)
-    mean = latents.mean(dim=(0, 2, 3, 4))
-    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
-    latents = (latents - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
-    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
-                           latents_std=[round(float(v), 5) for v in std])
+    if not args.resume:  # a resumed run keeps the statistics its DiT was trained with
+        vae.register_to_config(latents_mean=[round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))],
+                               latents_std=[round(float(v), 5) for v in latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)])
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    latents = (latents - mean) / std
     info["encode_seconds"] = time.time() - t
     log(f"encoded {len(specs)} clips in {info['encode_seconds']:.0f}s; latent std {std.mean():.3f}")
 
@@ -302,6 +405,7 @@ def main() -> None:
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=ema["text_encoder"].float().cpu(), vae=vae.float().cpu(),
                        transformer=ema["transformer"].float().cpu(), scheduler=scheduler)
     pipe.save_pretrained(str(out), safe_serialization=True)
+    portable_tokenizer(out)
     (out / "sglx.json").write_text(json.dumps({"defaults": DEFAULTS}, indent=2) + "\n")
     (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"saved {out} ({info['total_seconds']:.0f}s)")
