@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from sglx import platform
 from sglx.attention.checks import run_check
+from sglx.attention.config import validate_config
 from sglx.attention.llm.base import BackendContext, LayerSpec
 from sglx.attention.llm.flex import FlexAttentionBackend, decode_bucket, resolve_compile
 from sglx.attention.llm.flex_masks import KV_BLOCK, Q_BLOCK
@@ -188,6 +189,11 @@ def test_fp8_pool_is_refused_with_what_would_work():
 def test_compile_setting():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (resolve_compile("auto", cpu), resolve_compile("auto", cuda)) == (False, True)
-    assert resolve_compile("on", cpu) and not resolve_compile("off", cuda) and resolve_compile(True, cpu)
+    assert resolve_compile("on", cpu) and not resolve_compile("off", cuda) and not resolve_compile(None, cpu)
     with pytest.raises(ConfigError, match="compile='sometimes'.*auto, on, off"):
         resolve_compile("sometimes", cpu)
+    spec = find("flex_attention", "llm", "mha")  # the CLI path: the registry's choices, before weights load
+    assert validate_config(spec, {"compile": "on"})["compile"] == "on"
+    for bad in ("sometimes", True):
+        with pytest.raises(ConfigError, match="'compile' for flex_attention must be"):
+            validate_config(spec, {"compile": bad})

@@ -298,6 +298,9 @@ def _convert(spec: BackendSpec, param: ConfigParam, value: Any) -> Any:
 
     kind = param.type
     if kind == "str":
+        if isinstance(value, str) and param.choices and value not in param.choices:
+            raise _fail(f"{param.name!r} for {spec.name} must be one of {', '.join(param.choices)}, "
+                        f"got {_describe(value)}", key=param.name)
         if isinstance(value, str):
             return value
         if isinstance(value, (bool, float)) or isinstance(value, int) and abs(value) < 10**80:

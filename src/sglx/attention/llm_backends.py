@@ -80,7 +80,7 @@ register(BackendSpec(
                          sliding_window=True, multimodal=False, cuda_graph=False),
     config=(ConfigParam("compile", "str", "Run flex_attention through torch.compile: auto (on CUDA only), on, "
                         "off. CPU compiles static shapes only (each new batch shape recompiles).",
-                        default="auto"),),
+                        default="auto", choices=("auto", "on", "off")),),
     factory="sglx.attention.llm.flex:FlexAttentionBackend",
     notes="sglx's flex backend: one flex_attention call per layer over the pool's own K/V (any page size, "
           "prefix hits, GQA, sliding window, logit soft-cap); compiled on CUDA, eager elsewhere; no fp8 KV "

@@ -79,6 +79,7 @@ class ConfigParam:
     description: str
     default: Any = None
     required: bool = False
+    choices: tuple[str, ...] = ()  # a str parameter's allowed values (empty: any text)
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,8 @@ def decode_bucket(bs: int) -> int:
 
 
 def resolve_compile(setting: object, device: torch.device) -> bool:
-    """`compile` config value -> whether to run flex_attention compiled on this device."""
-    value = str(setting).strip().lower() if setting is not None else "auto"
-    if value in ("true", "1", "yes"):
-        value = "on"
-    if value in ("false", "0", "no"):
-        value = "off"
+    """`compile` config value (validated against the registry's choices) -> run compiled on this device?"""
+    value = "auto" if setting is None else str(setting)
     if value not in COMPILE_CHOICES:
         raise ConfigError(f"flex_attention config compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)} "
                           "(auto compiles on CUDA and runs eager elsewhere)")
