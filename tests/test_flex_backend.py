@@ -188,7 +188,7 @@ def test_fp8_pool_is_refused_with_what_would_work():
 
 def test_compile_setting():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (resolve_compile("auto", cpu), resolve_compile("auto", cuda)) == (False, True)
+    assert (resolve_compile("auto", cpu), resolve_compile("auto", cuda)) == (False, False)
     assert resolve_compile("on", cpu) and not resolve_compile("off", cuda) and not resolve_compile(None, cpu)
     with pytest.raises(ConfigError, match="compile='sometimes'.*auto, on, off"):
         resolve_compile("sometimes", cpu)

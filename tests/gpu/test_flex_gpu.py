@@ -39,9 +39,9 @@ def test_compiled_flex_matches_float64_step_by_step(dtype, page, hq, hkv, dim, w
     modes = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE, "mixed": ForwardMode.MIXED}
     total = [p + sum(s[1][i] for s in STEPS) for i, p in enumerate(PREFIX)]
     cache = make_paged_cache(total, page, hkv, dim, dtype, device=DEV, fill=PREFIX, seed=page)
-    ctx = BackendContext(torch.device(DEV), dtype, hq, hkv, dim, page, cache.r2t, cache.pool, {})
+    ctx = BackendContext(torch.device(DEV), dtype, hq, hkv, dim, page, cache.r2t, cache.pool, {"compile": "on"})
     backend = FlexAttentionBackend(ctx)
-    assert backend.compiled  # auto compiles on CUDA
+    assert backend.compiled  # the opt-in compiled path (failed to lower on torch 2.11 + H100, 2026-11-23)
     layer = LayerSpec(0, hq, hkv, dim, dim ** -0.5, sliding_window=window, logit_cap=cap)
     gen = torch.Generator(device=DEV).manual_seed(1)
     lo = list(PREFIX)

@@ -78,12 +78,13 @@ register(BackendSpec(
     requires=(TorchAtLeast((2, 5)),),
     features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          sliding_window=True, multimodal=False, cuda_graph=False),
-    config=(ConfigParam("compile", "str", "Run flex_attention through torch.compile: auto (on CUDA only), on, "
-                        "off. CPU compiles static shapes only (each new batch shape recompiles).",
+    config=(ConfigParam("compile", "str", "Run flex_attention through torch.compile: on, off, or auto (eager "
+                        "for now: compiled CUDA extend failed to lower on torch 2.11). CPU compiles static "
+                        "shapes only (each new batch shape recompiles).",
                         default="auto", choices=("auto", "on", "off")),),
     factory="sglx.attention.llm.flex:FlexAttentionBackend",
     notes="sglx's flex backend: one flex_attention call per layer over the pool's own K/V (any page size, "
-          "prefix hits, GQA, sliding window, logit soft-cap); compiled on CUDA, eager elsewhere; no fp8 KV "
+          "prefix hits, GQA, sliding window, logit soft-cap); eager by default, compiled opt-in; no fp8 KV "
           "(flex reads the pool's dtype), no CUDA graphs (block masks are rebuilt every step).",
 ))
 
