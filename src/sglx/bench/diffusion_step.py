@@ -147,23 +147,30 @@ def run_step(config: StepConfig, device: torch.device, snap: Any,
     rows: list[dict[str, Any]] = []
     outputs: dict[str, torch.Tensor] = {}
     quiet = _quiet_diffusers()
-    with torch.inference_mode():
-        for name in DIFFUSERS_BACKENDS:
-            say(f"step: diffusers forward, attention backend {name}")
-            row: dict[str, Any] = {"side": "diffusers", "attention": name}
-            try:
-                model.set_attention_backend(name)
-                outputs[name] = forward()
-                row.update(_time(forward, device, budget))
-            except Exception as exc:  # not installed / not supported here: recorded, not fatal
-                row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            rows.append(row)
-        timed = [r for r in rows if "median_ms" in r]
-        if not timed:
-            raise SglxError("no diffusers attention backend ran the Wan step here")
-        best = min(timed, key=lambda r: r["median_ms"])
-        reference = outputs[best["attention"]]
-        model.reset_attention_backend()
+    # set_attention_backend also sets diffusers' process-wide active backend: put it back afterwards.
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        with torch.inference_mode():
+            for name in DIFFUSERS_BACKENDS:
+                say(f"step: diffusers forward, attention backend {name}")
+                row: dict[str, Any] = {"side": "diffusers", "attention": name}
+                try:
+                    model.set_attention_backend(name)
+                    outputs[name] = forward()
+                    row.update(_time(forward, device, budget))
+                except Exception as exc:  # not installed / not supported here: recorded, not fatal
+                    row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                rows.append(row)
+            timed = [r for r in rows if "median_ms" in r]
+            if not timed:
+                raise SglxError("no diffusers attention backend ran the Wan step here")
+            best = min(timed, key=lambda r: r["median_ms"])
+            reference = outputs[best["attention"]]
+            model.reset_attention_backend()
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
     selection = select_diffusion(snap, None, config.backend)
     spec = find(selection.backend, "diffusion", "dit")
     backend = spec.load()({})
