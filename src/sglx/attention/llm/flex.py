@@ -20,8 +20,9 @@ torch falls back to eager over the whole pool).
 No fp8 KV (flex takes the pool's dtype as is) and no CUDA graphs (the block mask is rebuilt per step).
 
 Why `auto` does not compile on CUDA: on the lent H100 (torch 2.11+cu130) the compiled extend failed to
-lower (Inductor `NoValidChoicesError` for flex_attention with dynamic shapes) in 5 of 5 step-by-step GPU
-tests, while the same engine run eagerly is exact; compiled stays opt-in until its GPU tests pass.
+build in Inductor in 5 of 5 step-by-step GPU tests (NoValidChoicesError, flex template out of shared
+memory, unbacked bindings); only the small engine HF-parity test passed compiled. Eager is the path the
+CPU suite proves; compiled stays opt-in until its GPU tests pass.
 """
 
 from __future__ import annotations
