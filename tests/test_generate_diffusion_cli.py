@@ -147,3 +147,12 @@ def test_unsupported_family_suggests_diffusers_backend(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "StableDiffusionPipeline has no native sglx pipeline" in proc.stderr
     assert "--backend diffusers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_written_file_has_the_usual_permissions(tmp_path: Path) -> None:
+    from sglx.diffusion.output import write_frames
+
+    path = write_frames(np.zeros((1, 8, 8, 3), dtype=np.uint8), tmp_path / "x.png")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask

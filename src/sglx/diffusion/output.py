@@ -73,6 +73,12 @@ def _write(frames: np.ndarray, target: str, suffix: str, fps: int) -> None:
         _write_video_mp4(frames, target, fps)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_frames(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     """Write uint8 frames [F, H, W, 3] to `path` atomically; returns the path written."""
     out = check_output_path(path, frames.shape[0])
@@ -81,6 +87,7 @@ def write_frames(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     os.close(fd)
     try:
         _write(frames, tmp, out.suffix.lower(), fps)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the usual permissions
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
