@@ -165,8 +165,16 @@ def test_video_create_poll_download(client: openai.OpenAI, engine: DiffusionEngi
     with one_thread():
         ref: DiffusionResult = engine.generate(DiffusionRequest(prompt, height=16, width=32, num_frames=9, fps=8,
                                                                 seed=3, **FAST))
-    # the same clip: what encoding the engine's frames gives here, decoded, pixel for pixel
-    assert np.array_equal(frames, decode_mp4(encode_frames(ref.frames, ".mp4", 8)))
+    # The same clip: the server's MP4 decodes like the engine's frames encoded here. Not pixel for pixel: one
+    # uint8 step of difference in the server process's float math (its own thread count) changes x264's
+    # choices. Another seed's clip is far off, so this still tells clips apart.
+    def mean_diff(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
+
+    same = mean_diff(frames, decode_mp4(encode_frames(ref.frames, ".mp4", 8)))
+    other = engine.generate(DiffusionRequest(prompt, height=16, width=32, num_frames=9, fps=8, seed=4, **FAST))
+    apart = mean_diff(frames, decode_mp4(encode_frames(other.frames, ".mp4", 8)))
+    assert same < 5.0 and apart > 2 * same + 10, (same, apart)  # measured: 0 (usually) vs 24
 
 
 def test_video_json_body_and_explicit_frames_win(http: httpx.Client) -> None:
