@@ -69,6 +69,11 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
+def same_picture(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal up to one uint8 step: two processes' float32 math may round a pixel apart; other seeds differ wildly."""
+    return a.shape == b.shape and int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) <= 1
+
+
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """The server runs with OMP_NUM_THREADS=1; the reference does too, so float reductions add up alike."""
@@ -115,8 +120,8 @@ def test_images_equal_the_engine_with_each_seed(client: openai.OpenAI, engine: D
         refs = [engine.generate(DiffusionRequest(prompt, height=16, width=32, num_frames=1, seed=seed,
                                                  guidance_scale=3.0, **FAST)).frames[0] for seed in (7, 8)]
     for got, want in zip(images, refs):
-        assert np.array_equal(got, want)
-    assert not np.array_equal(images[0], images[1])  # n images: seeds 7 and 8
+        assert same_picture(got, want)
+    assert not same_picture(images[0], images[1])  # n images: seeds 7 and 8
 
 
 def test_image_defaults_to_b64_png_and_the_served_seed(client: openai.OpenAI, engine: DiffusionEngine) -> None:
@@ -126,7 +131,7 @@ def test_image_defaults_to_b64_png_and_the_served_seed(client: openai.OpenAI, en
     assert image.shape == (16, 16, 3)
     with one_thread():
         ref = engine.generate(DiffusionRequest("a blue square", height=16, width=16, num_frames=1, **FAST))
-    assert np.array_equal(image, ref.frames[0])  # no seed: the server's --random-seed (0), as `sglx generate`
+    assert same_picture(image, ref.frames[0])  # no seed: the server's --random-seed (0), as `sglx generate`
 
 
 def test_image_output_format_jpeg(client: openai.OpenAI) -> None:
@@ -447,7 +452,7 @@ def test_image_model_serves_images_and_refuses_videos(tmp_path: Path) -> None:
         resp = client.images.generate(prompt="a red circle", size="32x16", extra_body={**FAST, "seed": 1})
         with one_thread():
             ref = eng.generate(DiffusionRequest("a red circle", height=16, width=32, num_frames=1, seed=1, **FAST))
-        assert np.array_equal(decode_png(resp.data[0].b64_json or ""), ref.frames[0])
+        assert same_picture(decode_png(resp.data[0].b64_json or ""), ref.frames[0])
         with pytest.raises(openai.BadRequestError) as info:
             client.videos.create(prompt="a red circle", size="32x16")
         assert "/v1/images/generations" in error_of(info.value)["message"]
