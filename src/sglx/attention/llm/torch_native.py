@@ -56,6 +56,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
 
 
+def step_metadata(batch: ForwardBatch) -> _Metadata:
+    """Key slots and query ranges of one step, and for decode the padded per-request slot table.
+
+    Shared by the MHA and MLA torch_native backends (MLA reads latents at the same slots).
+    """
+    indptr, indices = gather_kv_indices(batch)
+    if batch.mode.is_decode:
+        qo_indptr = list(range(batch.batch_size + 1))
+        prefix = [s - 1 for s in batch.seq_lens_cpu]
+    else:
+        qo_indptr = [0]
+        for n in batch.extend_seq_lens_cpu:
+            qo_indptr.append(qo_indptr[-1] + n)
+        prefix = list(batch.extend_prefix_lens_cpu)
+    meta = _Metadata(indptr, indices, qo_indptr, prefix)
+    if batch.mode.is_decode and batch.batch_size:
+        device = indices.device
+        max_len = max(batch.seq_lens_cpu)
+        lens = torch.tensor(batch.seq_lens_cpu, device=device)
+        pos = torch.arange(max_len, device=device)[None, :]
+        valid = pos < lens[:, None]
+        slots = torch.zeros((batch.batch_size, max_len), dtype=torch.long, device=device)
+        slots[valid] = indices
+        meta.decode_slots, meta.decode_valid, meta.decode_key_pos = slots, valid, pos
+    return meta
+
+
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -64,26 +91,7 @@ class TorchNativeBackend(AttentionBackend):
     supports_cuda_graph = False
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        indptr, indices = gather_kv_indices(batch)
-        if batch.mode.is_decode:
-            qo_indptr = list(range(batch.batch_size + 1))
-            prefix = [s - 1 for s in batch.seq_lens_cpu]
-        else:
-            qo_indptr = [0]
-            for n in batch.extend_seq_lens_cpu:
-                qo_indptr.append(qo_indptr[-1] + n)
-            prefix = list(batch.extend_prefix_lens_cpu)
-        meta = _Metadata(indptr, indices, qo_indptr, prefix)
-        if batch.mode.is_decode and batch.batch_size:
-            device = indices.device
-            max_len = max(batch.seq_lens_cpu)
-            lens = torch.tensor(batch.seq_lens_cpu, device=device)
-            pos = torch.arange(max_len, device=device)[None, :]
-            valid = pos < lens[:, None]
-            slots = torch.zeros((batch.batch_size, max_len), dtype=torch.long, device=device)
-            slots[valid] = indices
-            meta.decode_slots, meta.decode_valid, meta.decode_key_pos = slots, valid, pos
-        self.meta = meta
+        self.meta = step_metadata(batch)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:

@@ -9,8 +9,6 @@ device; not tuned for speed and not CUDA-graph capturable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
@@ -23,18 +21,8 @@ from sglx.attention.llm.mla_base import (
     apply_uv,
     expand_latent,
 )
-from sglx.attention.llm.torch_native import _SDPA_BACKENDS, gather_kv_indices
+from sglx.attention.llm.torch_native import _SDPA_BACKENDS, step_metadata
 from sglx.llm.forward_batch import ForwardBatch
-
-
-@dataclass
-class _Metadata:
-    kv_indptr: list[int]
-    kv_indices: torch.Tensor  # [sum(seq_lens)] slots, request after request
-    qo_indptr: list[int]
-    prefix_lens: list[int]
-    decode_slots: torch.Tensor | None = None  # [bs, max_len], padded with slot 0
-    decode_valid: torch.Tensor | None = None  # [bs, max_len] bool
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -47,24 +35,7 @@ class TorchNativeMLABackend(MLAAttentionBackend):
     supports_cuda_graph = False
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        indptr, indices = gather_kv_indices(batch)
-        if batch.mode.is_decode:
-            qo_indptr = list(range(batch.batch_size + 1))
-            prefix = [s - 1 for s in batch.seq_lens_cpu]
-        else:
-            qo_indptr = [0]
-            for n in batch.extend_seq_lens_cpu:
-                qo_indptr.append(qo_indptr[-1] + n)
-            prefix = list(batch.extend_prefix_lens_cpu)
-        meta = _Metadata(indptr, indices, qo_indptr, prefix)
-        if batch.mode.is_decode and batch.batch_size:
-            device = indices.device
-            lens = torch.tensor(batch.seq_lens_cpu, device=device)
-            valid = torch.arange(max(batch.seq_lens_cpu), device=device)[None, :] < lens[:, None]
-            slots = torch.zeros(valid.shape, dtype=torch.long, device=device)
-            slots[valid] = indices
-            meta.decode_slots, meta.decode_valid = slots, valid
-        self.meta = meta
+        self.meta = step_metadata(batch)
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
