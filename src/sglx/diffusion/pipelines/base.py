@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -80,11 +80,6 @@ class NativePipeline(ABC):
     def generate_tensor(self, req: ResolvedRequest, progress: ProgressFn | None = None
                         ) -> tuple[torch.Tensor, dict[str, float]]:
         """Frames as float32 [F, H, W, 3] in [0, 1] on the CPU, and seconds per stage."""
-
-    def generate(self, req: ResolvedRequest, progress: ProgressFn | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-        self.validate(req)
-        frames, times = self.generate_tensor(req, progress)
-        return to_uint8(frames), times
 
 
 def to_uint8(frames: torch.Tensor) -> np.ndarray:
