@@ -1,0 +1,278 @@
+"""sglx's own launcher: N worker processes on this machine, no hung ranks, the first failure as one line.
+
+Two ways to use it:
+
+* `spawn_workers(fn, world_size, args)` runs `fn(rank, world_size, *args)` in `world_size` fresh processes
+  (torch.multiprocessing, "spawn" start method, so CUDA works in every child) and returns their results in
+  rank order. Tests and batch jobs use it.
+* `start_workers(fn, world_size, args, ranks=range(1, world_size))` starts only some ranks in the
+  background and returns a `WorkerGroup`; the calling process plays the remaining rank itself (the
+  driver: rank 0 of tensor-parallel serving). The group watches its workers from a thread and reports the
+  first failure through `WorkerGroup.failure` / `check()` and an optional callback.
+
+Every child gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) on a
+free local port, plus the variables that keep NVLink multicast off, so inside `fn`
+`sglx.distributed.init_distributed()` needs no arguments. A child whose parent dies exits by itself.
+When any rank fails, every other rank is terminated (then killed) and the failure is raised as one
+`WorkerError` line: "rank 1 of 2 failed: ValueError: ...". Picklable `fn` and `args` only (module-level
+functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from sglx.distributed.group import MULTICAST_OFF_ENV, destroy_distributed
+from sglx.errors import SglxError
+
+TERMINATE_GRACE_S = 3.0
+
+
+class WorkerError(SglxError):
+    """A worker rank raised, died, or the group timed out; the message is one line naming the rank."""
+
+    def __init__(self, message: str, rank: int | None = None, details: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.details = details  # the worker's traceback, for logs; never printed by the CLI
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it; the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, the form every worker failure is reported in."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def worker_env(rank: int, world_size: int, master_addr: str, master_port: int,
+               local_rank: int | None = None) -> dict[str, str]:
+    """The torchrun-style variables a rank needs, plus NVLink multicast off."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), **MULTICAST_OFF_ENV}
+
+
+def _exit_with_parent() -> None:
+    """Leave as soon as the parent process is gone (no orphaned rank waiting in a collective)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        os._exit(3)
+
+    threading.Thread(target=watch, name="sglx-parent-watch", daemon=True).start()
+
+
+def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, env: dict[str, str],
+                 results: Any) -> None:
+    os.environ.update(env)
+    _exit_with_parent()
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit/KeyboardInterrupt
+        results.put((rank, False, one_line(exc), traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)  # skip torch's atexit teardown, which can block on a group whose peers are gone
+    results.put((rank, True, value, ""))
+    results.close()
+    results.join_thread()
+    with contextlib.suppress(Exception):
+        destroy_distributed()
+
+
+@dataclass
+class _Failure:
+    rank: int
+    message: str
+    details: str = ""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """Background ranks started by `start_workers`; a thread watches them and records the first failure."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: Sequence[Any], ranks: Iterable[int], *,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 on_failure: Callable[[WorkerError], None] | None = None) -> None:
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.master_port = master_port or find_free_port(master_addr)
+        self.ranks = list(ranks)
+        self._ctx = mp.get_context("spawn")
+        self._results = self._ctx.Queue()
+        self._procs: dict[int, Any] = {}
+        self._values: dict[int, Any] = {}
+        self._failure: _Failure | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+        self._on_failure = on_failure
+        for rank in self.ranks:
+            env = worker_env(rank, world_size, master_addr, self.master_port)
+            proc = self._ctx.Process(target=_worker_main, args=(fn, rank, world_size, tuple(args), env, self._results),
+                                     name=f"sglx-rank{rank}", daemon=True)
+            proc.start()
+            self._procs[rank] = proc
+        self._watcher = threading.Thread(target=self._watch, name="sglx-worker-watch", daemon=True)
+        self._watcher.start()
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Rendezvous variables for the rank the calling process plays (pass to init_distributed)."""
+        return worker_env(0, self.world_size, self.master_addr, self.master_port)
+
+    @property
+    def failure(self) -> WorkerError | None:
+        f = self._failure
+        if f is None:
+            return None
+        return WorkerError(f"rank {f.rank} of {self.world_size} failed: {f.message}", f.rank, f.details)
+
+    @property
+    def done(self) -> bool:
+        return all(r in self._values for r in self.ranks)
+
+    def check(self) -> None:
+        """Raise the first worker failure, if any."""
+        err = self.failure
+        if err is not None:
+            raise err
+
+    # ---------------------------------------------------------------- watching
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            rank, ok, value, details = self._results.get(timeout=timeout)
+        except (queue.Empty, EOFError, OSError):
+            return
+        if ok:
+            self._values[rank] = value
+        else:
+            self._fail(rank, value, details)
+
+    def _fail(self, rank: int, message: str, details: str = "") -> None:
+        with self._lock:
+            if self._failure is not None or self._closing:
+                return
+            self._failure = _Failure(rank, message, details)
+        self.terminate()
+        if self._on_failure is not None:
+            self._on_failure(self.failure)  # type: ignore[arg-type]
+
+    def _watch(self) -> None:
+        while not self._closing and self._failure is None:
+            self._drain(0.1)
+            for rank, proc in self._procs.items():
+                if proc.exitcode is not None and rank not in self._values and self._failure is None:
+                    self._drain(0.5)  # its message may still be in flight
+                    if rank not in self._values and self._failure is None and not self._closing:
+                        self._fail(rank, f"the process {_describe_exit(proc.exitcode)} without reporting")
+            if self.done and all(p.exitcode is not None for p in self._procs.values()):
+                return
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        """Block until every background rank returned; their results in rank order. Raises the first failure."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done:
+            self.check()
+            if deadline is not None and time.monotonic() > deadline:
+                running = [r for r in self.ranks if r not in self._values]
+                self._fail(running[0], f"timed out after {timeout_s:.0f} s (ranks still running: {running})")
+                self.check()
+            self._watcher.join(0.05)
+            if not self._watcher.is_alive() and not self.done:
+                self._drain(0.2)
+                self.check()
+        self.check()
+        for proc in self._procs.values():
+            proc.join(TERMINATE_GRACE_S)
+        return [self._values[r] for r in self.ranks]
+
+    def terminate(self) -> None:
+        """Stop every background rank: SIGTERM, then SIGKILL after a short grace."""
+        procs = [p for p in self._procs.values() if p.is_alive()]
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                with contextlib.suppress(Exception):
+                    p.kill()
+                p.join(1.0)
+
+    def shutdown(self) -> None:
+        """Stop watching and end every background rank (safe to call twice)."""
+        self._closing = True
+        self.terminate()
+        if self._watcher.is_alive() and self._watcher is not threading.current_thread():
+            self._watcher.join(1.0)
+
+
+def start_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
+                  ranks: Iterable[int] | None = None, master_addr: str = "127.0.0.1",
+                  master_port: int | None = None,
+                  on_failure: Callable[[WorkerError], None] | None = None) -> WorkerGroup:
+    """Start `fn(rank, world_size, *args)` for `ranks` (default 1..world_size-1) in the background.
+
+    The caller plays the other rank(s): `os.environ.update(group.env)` then `init_distributed(0, world_size)`.
+    `on_failure(error)` runs on the watcher thread after a rank failed and the others were terminated.
+    """
+    return WorkerGroup(fn, world_size, args, range(1, world_size) if ranks is None else ranks,
+                       master_addr=master_addr, master_port=master_port, on_failure=on_failure)
+
+
+def spawn_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
+                  timeout_s: float | None = None, master_addr: str = "127.0.0.1") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` new processes; return their results in rank order.
+
+    The first rank to raise (or die, or outlive `timeout_s`) ends every other rank and is re-raised here
+    as one `WorkerError` line. Results travel back pickled, so keep them small (tensors on CPU).
+    """
+    if world_size < 1:
+        raise WorkerError(f"cannot spawn {world_size} workers: world size must be >= 1")
+    group = WorkerGroup(fn, world_size, args, range(world_size), master_addr=master_addr)
+    try:
+        return group.wait(timeout_s)
+    finally:
+        group.shutdown()
+
