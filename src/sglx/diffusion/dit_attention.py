@@ -24,7 +24,7 @@ class DiTAttention:
                        scale: float | None = None) -> torch.Tensor:
         """Attention over the step's whole sequence (latent tokens plus joint text tokens)."""
         meta = current_metadata()
-        if meta is not None and q.shape[1] != meta.seq_len:
+        if meta is not None and q.shape[1] != self.backend.local_seq_len(meta):
             raise RuntimeError(f"DiT layer {self.layer} got a sequence of {q.shape[1]} tokens but the step's "
                                f"metadata says {meta.seq_len} (grid {meta.grid} + {meta.text_tokens} text)")
         return self.backend.forward(q, k, v, scale=scale, meta=meta, layer=self.layer)

@@ -42,6 +42,11 @@ class DiffusionAttentionBackend(ABC):
                       scale: float | None = None) -> torch.Tensor:
         """Full non-causal attention: q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, D]."""
 
+    def local_seq_len(self, meta: DiTAttnMetadata) -> int:
+        """Tokens of the step's sequence that this process passes in: all of them (sequence-parallel wrappers,
+        sglx.diffusion.parallel, take a shard)."""
+        return meta.seq_len
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                 meta: DiTAttnMetadata | None = None, layer: int = 0) -> torch.Tensor:
         """Self-attention over the step's sequence; dense backends run `forward_dense`."""

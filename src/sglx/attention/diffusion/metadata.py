@@ -37,6 +37,7 @@ class DiTAttnMetadata:
     batch_size: int = 1  # rows in the DiT batch (CFG doubles it)
     cfg: bool = False  # rows [0, B/2) are conditional, [B/2, B) unconditional
     num_layers: int | None = None
+    head_offset: int = 0  # global index of the first head in q: Ulysses hands each rank a slice of the heads
 
     def __post_init__(self) -> None:
         if len(self.grid) != 3 or min(self.grid) < 1:

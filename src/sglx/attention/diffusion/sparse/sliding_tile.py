@@ -152,7 +152,9 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if self.strategy is None:
             windows = (clamp_window(DEFAULT_WINDOW, self._tiles(meta, q)),) * q.shape[2]
         else:
-            windows = self.strategy.layer_windows(meta.step_index, layer, q.shape[2])
+            # under Ulysses q holds heads [head_offset, head_offset + H) of the layer
+            first = meta.head_offset
+            windows = self.strategy.layer_windows(meta.step_index, layer, first + q.shape[2])[first:]
         return self.attend(q, k, v, meta, windows, scale=scale, where=f"layer {layer}")
 
     def _search(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DiTAttnMetadata, layer: int,

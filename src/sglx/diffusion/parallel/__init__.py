@@ -1,0 +1,1 @@
+"""Sequence parallelism for DiTs (Ulysses, ring, and USP = Ulysses x ring) on torch.distributed."""

@@ -1,0 +1,112 @@
+"""Worker functions for the sequence-parallel tests: run in spawned ranks (gloo on CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
+from sglx.attention.diffusion.sdpa import TorchSDPABackend
+from sglx.diffusion.parallel.attention import SequenceParallelBackend
+from sglx.diffusion.parallel.collectives import gather_seq
+from sglx.diffusion.parallel.degrees import SPDegrees
+from sglx.diffusion.parallel.groups import sp_groups
+from sglx.distributed.group import destroy_distributed, init_distributed
+
+GRID = (2, 4, 8)  # 64 latent tokens
+HEADS, DIM, BATCH = 4, 16, 2
+STA_WINDOWS = ((1, 1, 1), (1, 1, 3), (2, 1, 1), (2, 2, 3))  # one per head, so each rank's heads differ
+
+
+def sdpa64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Float64 reference over [B, S, H, D]."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    out = F.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (q, k, v)))
+    return out.transpose(1, 2)
+
+
+def write_sta_strategy(path: Path, layers: int = 1) -> Path:
+    data = {f"0_{layer}_{h}": list(w) for layer in range(layers) for h, w in enumerate(STA_WINDOWS)}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def sta_backend(strategy: Path):  # type: ignore[no-untyped-def]
+    from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend
+
+    return SlidingTileAttentionBackend({"mask_strategy_file_path": str(strategy), "skip_time_steps": 0},
+                                       tile=(1, 2, 2), block=4)
+
+
+def _inputs(seed: int, text: int, kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    s = GRID[0] * GRID[1] * GRID[2] + text
+    q = torch.randn(BATCH, s, HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(BATCH, s, kv_heads, DIM, generator=gen).to(dtype)
+    v = torch.randn(BATCH, s, kv_heads, DIM, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _shard(x: torch.Tensor, meta: DiTAttnMetadata, rank: int, world: int) -> torch.Tensor:
+    """This rank's input: all text tokens (in place) plus its chunk of the latent tokens."""
+    t, n = meta.text_tokens, x.shape[1]
+    text, img = (x[:, :t], x[:, t:]) if meta.text_position == "prefix" else (x[:, n - t:], x[:, :n - t])
+    img = img.chunk(world, dim=1)[rank]
+    return torch.cat([text, img] if meta.text_position == "prefix" else [img, text], dim=1)
+
+
+def _unshard(out: torch.Tensor, meta: DiTAttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full output in sequence order from every rank's local output; and the largest text-row difference
+    between this rank and rank 0 (text outputs must be identical on all ranks)."""
+    t = meta.text_tokens
+    prefix = meta.text_position == "prefix"
+    text, img = (out[:, :t], out[:, t:]) if prefix else (out[:, out.shape[1] - t:], out[:, :out.shape[1] - t])
+    img = gather_seq(img)
+    text0 = text.clone().contiguous()
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(text0, src=0)
+    full = torch.cat([text, img] if prefix else [img, text], dim=1)
+    return full, (text - text0).abs().max() if t else torch.zeros(())
+
+
+def attention_cases(rank: int, world: int, splits: list[tuple[int, int]], device: str,
+                    strategy: str | None = None) -> dict[str, dict[str, float]]:
+    """Per (ulysses, ring) split: every case's max |SP output - reference| and the text-row spread across ranks."""
+    ctx = init_distributed(device=device)
+    try:
+        return {f"u{u}r{r}": _cases(rank, world, u, r, ctx.device, strategy) for u, r in splits}
+    finally:
+        destroy_distributed()
+
+
+def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, strategy: str | None
+           ) -> dict[str, float]:
+    groups = sp_groups(SPDegrees(ulysses, ring))
+    dtype = torch.float32
+    results: dict[str, float] = {}
+    cases = [("dense", 0, "none", HEADS), ("prefix_text", 6, "prefix", HEADS), ("suffix_text", 5, "suffix", HEADS),
+             ("gqa", 0, "none", 2), ("gqa_kv1_text", 3, "prefix", 1)]
+    for i, (name, text, pos, kv_heads) in enumerate(cases):
+        meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=DIM, text_tokens=text, text_position=pos)
+        q, k, v = (t.to(dev) for t in _inputs(i, text, kv_heads, dtype))
+        sp = SequenceParallelBackend(TorchSDPABackend(), groups)
+        local = [_shard(t, meta, rank, world) for t in (q, k, v)]
+        out = sp.forward(*local, meta=meta, layer=0)
+        full, spread = _unshard(out, meta)
+        results[name] = float((full.double() - sdpa64(q, k, v)).abs().max())
+        results[name + "_text_spread"] = float(spread)
+    if strategy is not None and ring == 1:
+        meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=DIM, text_tokens=4, text_position="prefix")
+        q, k, v = (t.to(dev) for t in _inputs(99, 4, HEADS, dtype))
+        single = sta_backend(Path(strategy)).forward(q, k, v, meta=meta, layer=0)
+        inner = sta_backend(Path(strategy))
+        sp = SequenceParallelBackend(inner, groups)
+        local = [_shard(t, meta, rank, world) for t in (q, k, v)]
+        full, _ = _unshard(sp.forward(*local, meta=meta, layer=0), meta)
+        results["sta_vs_sp1"] = float((full - single).abs().max())
+        results["sta_vs_dense"] = float((full.double() - sdpa64(q, k, v)).abs().max())
+    return results
