@@ -59,6 +59,7 @@ class EngineFlag:
     default: Any
     help: str
     choices: Callable[[], Sequence[str]] | Sequence[str] | None = None
+    aliases: tuple[str, ...] = ()  # other spellings of the flag (e.g. --tp for --tp-size)
 
     def choice_enum(self) -> type[enum.Enum] | None:
         """A str Enum of the allowed values: typer turns it into a validated choice list in --help."""
@@ -78,7 +79,7 @@ class EngineFlag:
                                   "show_default": self.default not in (None, False)}
         if self.choices is not None:
             kwargs["case_sensitive"] = False
-        return typer.Option(self.default, self.flag, **kwargs)
+        return typer.Option(self.default, self.flag, *self.aliases, **kwargs)
 
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
@@ -131,6 +132,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("disable_cuda_graph", "--disable-cuda-graph", bool, False,
                "Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a "
                "decode backend that supports them, e.g. triton)."),
+    EngineFlag("tp_size", "--tp-size", int, 1,
+               "Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), "
+               "attention heads and MLP split across them. Must divide the attention heads.",
+               aliases=("--tp",)),
 )
 
 

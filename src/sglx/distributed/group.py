@@ -28,6 +28,7 @@ MULTICAST_OFF_ENV = {
 }
 
 DEFAULT_TIMEOUT_S = 300.0
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 class DistributedInitError(SglxError):
@@ -63,10 +64,10 @@ class DistContext:
         """True when a process group exists (world_size > 1)."""
         return self.world_size > 1
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over all ranks in place and return it."""
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` over all ranks in place ("sum", "min" or "max") and return it."""
         if self.active:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op])
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -41,10 +41,10 @@ class Engine:
             raise SglxError("pass either an EngineConfig or keyword flags, not both")
         self.config = config or EngineConfig.from_kwargs(**flags)
         from sglx.llm.allocator import TokenSlotAllocator
-        from sglx.llm.model_runner import ModelRunner
         from sglx.llm.scheduler import SchedulerConfig, build_scheduler
+        from sglx.llm.tp_runtime import build_model_runner
 
-        self.runner = ModelRunner(self.config)
+        self.runner = build_model_runner(self.config)  # with --tp-size N: rank 0, driving N-1 worker processes
         self.model_config = self.runner.model_config
         self.tokenizer = self._load_tokenizer()
         eos = list(self.model_config.eos_token_ids)
@@ -104,10 +104,17 @@ class Engine:
         text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _check_parallel(self) -> None:
+        """With --tp-size N: raise the first worker rank's failure (one line); the engine cannot run on."""
+        driver = getattr(self.runner, "tp_driver", None)
+        if driver is not None and driver.workers.failure is not None:
+            raise driver.workers.failure
+
     def _make_request(self, prompt: Prompt | None, input_ids: Sequence[int] | None, params: ParamsLike,
                       on_output: Any, stream: bool, return_logprob: bool = False, top_logprobs: int = 0) -> Request:
         if self._closed:
             raise SglxError("this engine was shut down")
+        self._check_parallel()
         p = SamplingParams.from_any(params)
         if input_ids is None:
             if prompt is None:
@@ -180,12 +187,14 @@ class Engine:
             self.scheduler.submit(req)
         try:
             while not done.wait(0.1):
+                self._check_parallel()
                 if self._closed or not self.scheduler.alive:
                     raise SglxError("the engine stopped before the requests finished")
         except KeyboardInterrupt:
             for req in reqs:
                 self.scheduler.abort(req.rid)
             raise
+        self._check_parallel()
         out = [r for r in results if r is not None]
         return out[0] if single else out
 
@@ -207,10 +216,13 @@ class Engine:
                 try:
                     chunk = q.get(timeout=0.5)
                 except queue.Empty:
+                    self._check_parallel()
                     if self._closed or not self.scheduler.alive:
                         raise SglxError("the engine stopped before the request finished") from None
                     continue
                 finished = chunk.finished
+                if finished:
+                    self._check_parallel()
                 yield _chunk_dict(chunk)
         finally:
             if not finished:
@@ -261,6 +273,9 @@ class Engine:
         self._closed = True
         self.scheduler.stop()
         if self.scheduler.alive:  # a step is still running; its memory goes when the thread ends
+            driver = getattr(self.runner, "tp_driver", None)
+            if driver is not None:  # but no worker rank may outlive the engine
+                driver.workers.shutdown()
             return
         self.scheduler.release_memory()
         self.runner.release_memory()

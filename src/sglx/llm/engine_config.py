@@ -46,6 +46,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and the sampling of requests without their own seed
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph (None: 160)
     disable_cuda_graph: bool = False  # run every decode step eagerly
+    tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA), see sglx.llm.tp_runtime
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -64,7 +65,8 @@ class EngineConfig:
                                  ("--max-running-requests", self.max_running_requests, 1),
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1),
                                  ("--context-length", self.context_length, 2),
-                                 ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 1)):
+                                 ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 1),
+                                 ("--tp-size", self.tp_size, 1)):
             if value is not None and value < low:
                 problems.append(f"{flag} {value}: must be an integer >= {low}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0 or (

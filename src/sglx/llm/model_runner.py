@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +29,9 @@ from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig, load_model_config
 from sglx.platform import PlatformSnapshot
+
+if TYPE_CHECKING:
+    from sglx.distributed.group import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +85,27 @@ def _free_cpu_bytes() -> int:
 
 
 class ModelRunner:
-    """Owns the model, the KV pools and the attention backend(s); `forward(batch)` runs one step."""
+    """Owns the model, the KV pools and the attention backend(s); `forward(batch)` runs one step.
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `dist` (tensor parallelism, see sglx.llm.tp_runtime) this runner is one rank: its model holds that
+    rank's weight shards, and its KV pool and backend that rank's heads (`local_heads`).
+    """
+
+    def __init__(self, config: EngineConfig, dist: DistContext | None = None) -> None:
+        from sglx.llm.layers.parallel import TensorParallel, check_tp_supported, use_tp
+
         self.config = config
+        self.dist = dist
+        self.tp = TensorParallel(dist.rank, dist.world_size, dist) if dist is not None else TensorParallel()
         self.model_path = config.resolved_model_path()
-        self.device = resolve_device(config.device)
+        self.device = dist.device if dist is not None else resolve_device(config.device)
         self.model_config: ModelConfig = load_model_config(self.model_path)
+        check_tp_supported(self.model_config, self.tp.size)
+        self.local_heads = (self.tp.split(self.model_config.num_heads)[1],
+                            self.tp.kv_heads(self.model_config.num_kv_heads)[1])
+        # rank 0 of a tensor-parallel group sends each step to the other ranks here (tp_runtime.TPDriver)
+        self.before_forward: Callable[[ForwardBatch], None] | None = None
+        self.tp_driver: Any = None
         from sglx.llm.models import load_model, resolve_dtype
 
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
@@ -100,8 +119,9 @@ class ModelRunner:
         )
         self.page_size = self.selection.page_size
         self.backend_configs = self._backend_configs()
-        self.model, self.model_config = load_model(self.model_path, self.dtype, self.device,
-                                                   load_format=config.load_format, seed=config.seed)
+        with use_tp(self.tp):
+            self.model, self.model_config = load_model(self.model_path, self.dtype, self.device,
+                                                       load_format=config.load_format, seed=config.seed)
         self.memory = self._plan_memory()
         self.req_to_token_pool = ReqToTokenPool(self.memory.max_running_requests, self.memory.context_length + 1,
                                                 device=self.device)
@@ -181,6 +201,10 @@ class ModelRunner:
             raise SglxError(f"the KV pool would hold only {slots} tokens (page size {self.page_size}); "
                             "set --max-total-tokens to at least two pages.")
         max_running = max(1, min(max_running, slots))
+        if self.dist is not None and self.dist.active:  # every rank must address the same slots and rows
+            agreed = torch.tensor([slots, max_running], dtype=torch.int64, device=self.device)
+            self.dist.all_reduce(agreed, op="min")
+            slots, max_running = (int(x) for x in agreed.tolist())
         return MemoryPlan(slots, per_token, max_running, context, source)
 
     def _kv_pool(self, num_slots: int, page_size: int, device: torch.device | str) -> TokenKVPool | MLATokenKVPool:
@@ -189,8 +213,8 @@ class ModelRunner:
         if mc.mla is not None:
             return MLATokenKVPool(num_slots, page_size, mc.num_layers, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim,
                                   self.dtype, kv_dtype, device)
-        return TokenKVPool(num_slots, page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, kv_dtype,
-                           device)
+        return TokenKVPool(num_slots, page_size, mc.num_layers, self.local_heads[1], mc.head_dim, self.dtype,
+                           kv_dtype, device)
 
     def _build_backend(self) -> AttentionBackend:
         sel = self.selection
@@ -200,7 +224,7 @@ class ModelRunner:
         def make(name: str) -> AttentionBackend:
             spec = find(name, "llm", mc.attention_kind)  # type: ignore[arg-type]
             assert spec is not None
-            ctx = BackendContext(device=self.device, dtype=self.dtype, num_q_heads=mc.num_heads,
+            ctx = BackendContext(device=self.device, dtype=self.dtype, num_q_heads=self.local_heads[0],
                                  num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim, page_size=self.page_size,
                                  req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool,
                                  config=self.backend_configs.get(name, {}))
@@ -218,6 +242,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (every token if return_all_logits)."""
+        if self.before_forward is not None:
+            self.before_forward(batch)
         batch.attn_backend = self.backend
         self.last_greedy_ids = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -231,6 +257,8 @@ class ModelRunner:
         """Free weights, KV pools and backend state (the runner is unusable afterwards)."""
         import gc
 
+        if self.tp_driver is not None:  # rank 0: stop the worker ranks first
+            self.tp_driver.shutdown()
         for name in ("graph_runner", "model", "backend", "token_kv_pool", "req_to_token_pool"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -250,6 +278,7 @@ class ModelRunner:
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "dtype": _dtype_name(self.dtype),
             "device": str(self.device),
+            "tp_size": self.tp.size,
             "max_total_tokens": self.memory.num_slots,
             "max_running_requests": self.memory.max_running_requests,
             "context_length": self.memory.context_length,

@@ -11,16 +11,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.kernels import use_fused
+from sglx.llm.layers.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); `gate_up_proj` holds [gate; up] stacked on the output dim."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp: TensorParallel | None = None) -> None:
+        """tp: split the intermediate features over tensor-parallel ranks (gate/up column-, down row-parallel,
+        one all-reduce of the output); None keeps plain nn.Linear layers."""
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if tp is None:
+            self.intermediate_size = intermediate_size
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+            return
+        self.intermediate_size = tp.split(intermediate_size)[1]
+        self.gate_up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size] * 2, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

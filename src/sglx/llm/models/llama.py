@@ -19,7 +19,14 @@ from sglx.attention.llm.base import LayerSpec
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from sglx.llm.layers.linear import Linear, linear
+from sglx.llm.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    current_tp,
+    lm_logits,
+)
 from sglx.llm.model_config import ModelConfig
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -39,16 +46,21 @@ class LlamaSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         d = config.head_dim
-        self.q_size = config.num_heads * d
-        self.kv_size = config.num_kv_heads * d
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, skinny=True)
+        tp = current_tp()  # this rank's heads: num_heads / tp; KV heads split, or one replicated per rank
+        q_start, q_heads = tp.split(config.num_heads)
+        kv_start, kv_heads = tp.kv_heads(config.num_kv_heads)
+        self.q_size = q_heads * d
+        self.kv_size = kv_heads * d
+        q_part = (config.num_heads * d, (q_start * d, self.q_size))
+        kv_part = (config.num_kv_heads * d, (kv_start * d, self.kv_size))
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], config.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, config.o_bias, tp, skinny=True)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.attn = Attention(LayerSpec(
             layer_id=layer_id,
-            num_q_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
             head_dim=d,
             scaling=d**-0.5,
             sliding_window=config.sliding_window_for_layer(layer_id),
@@ -77,7 +89,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = LlamaSelfAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, tp=current_tp())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,7 +111,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, current_tp())
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
@@ -123,10 +135,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.num_layers = config.num_layers
+        self.tp = current_tp()
         self.model = LlamaModel(config)
         # tied models read the embedding matrix directly, so no second parameter can drift from it
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False, skinny=True)
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size,
+                                                                                 self.tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -138,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if not batch.return_all_logits and not batch.mode.is_decode:  # decode: one token per request already
             hidden = hidden[batch.last_token_indices()]
-        return linear(hidden, self.lm_head_weight).float()
+        return lm_logits(hidden, self.lm_head_weight, self.tp, self.config.vocab_size).float()
 
     # ---------------------------------------------------------------- weights
 
@@ -167,6 +180,18 @@ class LlamaForCausalLM(nn.Module):
             target, rows = self._target(name, params)
             if target is None:
                 unexpected.append(name)
+                continue
+            module_path, _, leaf = target.rpartition(".")
+            module = self.get_submodule(module_path)
+            if hasattr(module, "load_part"):  # tensor-parallel layers keep their rank's slice of the tensor
+                proj = name.rpartition(".")[0].rpartition(".")[2]
+                try:
+                    module.load_part(leaf, _STACKED[proj][1] if proj in _STACKED else 0, tensor)
+                except ValueError as exc:
+                    raise SglxError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, which does not "
+                                    f"fit this {self.config.architecture} config ({exc}); "
+                                    "does config.json belong to these weights?") from None
+                loaded.add(name)
                 continue
             dest = params[target]
             if rows is not None:

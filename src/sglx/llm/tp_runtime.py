@@ -1,0 +1,267 @@
+"""Tensor-parallel serving: one scheduler in the driver process (rank 0) drives N-1 worker processes.
+
+Design (SGLang runs one scheduler per TP rank, rank 0 receiving requests and broadcasting them, and every
+rank scheduling the same way). sglx keeps ONE scheduler, in rank 0: before each forward the driver
+broadcasts the step itself (mode, token ids, positions, request rows, KV slots, and each request's
+req_to_token row up to its length), and every worker writes those rows into its own req_to_token table and
+runs the same forward on its own weight shards, KV pool (its local heads) and attention backend. Why:
+
+* nothing else has to be deterministic across processes: radix-cache eviction, retraction, chunking,
+  request arrival times and aborts all happen in one place, so ranks cannot drift apart;
+* anything that writes the request table (the scheduler, the radix cache, `sglx bench one-batch`'s static
+  batches) works unchanged, because workers copy the rows instead of recomputing them;
+* sampling runs once, in the driver, on the full logits (the LM head all-gathers the vocabulary), so every
+  rank's "sampled" token is by construction the same one: workers never sample.
+
+The cost is one small broadcast per step (rows are int32 slot ids; a decode step of 64 requests at 8k
+context is 2 MB, microseconds over NVLink), plus the pickled header.
+
+Failure: a worker that raises reports one line and exits; the driver's watcher terminates every other
+worker and aborts the process group, so the driver's pending collective fails, the running requests end
+with that line and the engine refuses new work. A driver that dies takes its workers with it (they watch
+their parent). Nothing is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sglx.distributed.group import DistContext, destroy_distributed, init_distributed
+from sglx.distributed.spawn import WorkerError, WorkerGroup, start_workers
+from sglx.errors import SglxError
+from sglx.llm.engine_config import EngineConfig
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglx.llm.model_config import ModelConfig
+    from sglx.llm.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # workers load their shards while the driver loads its own
+
+
+def validate_tp(config: EngineConfig, model_config: ModelConfig) -> None:
+    """One SglxError line when `--tp-size` cannot run this model on this machine (before any process starts)."""
+    from sglx.llm.layers.parallel import check_tp_supported
+    from sglx.llm.model_runner import resolve_device
+
+    tp = config.tp_size
+    if tp == 1:
+        return
+    check_tp_supported(model_config, tp)
+    if config.device.startswith("cuda:"):
+        raise SglxError(f"--device {config.device} with --tp-size {tp}: rank r runs on cuda:r; use --device cuda "
+                        "(and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if tp > count:
+            raise SglxError(f"--tp-size {tp} needs {tp} GPUs but this machine has {count}; "
+                            f"use --tp-size {count} or fewer" + ("" if count else ", or --device cpu"))
+
+
+def build_model_runner(config: EngineConfig) -> ModelRunner:
+    """A ModelRunner; with tp_size > 1 it is rank 0 of a group whose other ranks run in worker processes."""
+    from sglx.llm.model_config import load_model_config
+    from sglx.llm.model_runner import ModelRunner
+
+    if config.tp_size == 1:
+        return ModelRunner(config)
+    validate_tp(config, load_model_config(config.resolved_model_path()))
+    driver = TPDriver(config)
+    try:
+        runner = driver.build_runner()
+    except BaseException:
+        failure = driver.wait_for_failure(5.0)
+        driver.shutdown()
+        if failure is not None:
+            raise failure from None
+        raise
+    return runner
+
+
+class TPDriver:
+    """Rank 0: starts the workers, joins the group, and sends each step to the workers before computing it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = config.tp_size
+        self._failed = threading.Event()
+        self._closed = False
+        self.runner: ModelRunner | None = None
+        self.workers: WorkerGroup = start_workers(_worker_main, self.world_size, (config,),
+                                                  on_failure=self._on_failure)
+        self.ctx = self._join_group()
+
+    # ---------------------------------------------------------------- startup
+
+    def _join_group(self) -> DistContext:
+        """init_distributed as rank 0, on a thread so that a worker dying first ends the wait at once."""
+        os.environ.update(self.workers.env)
+        box: list[Any] = []
+
+        def join() -> None:
+            try:
+                box.append(init_distributed(0, self.world_size, device=_device_for(self.config, 0)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box.append(exc)
+
+        thread = threading.Thread(target=join, name="sglx-tp-init", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.workers.failure is not None:
+                self.workers.shutdown()
+                raise self.workers.failure
+            if time.monotonic() > deadline:
+                self.workers.shutdown()
+                raise WorkerError(f"tensor-parallel workers did not join within {STARTUP_TIMEOUT_S:.0f} s")
+        if isinstance(box[0], BaseException):
+            self.workers.shutdown()
+            raise box[0]
+        return box[0]
+
+    def build_runner(self) -> ModelRunner:
+        from sglx.llm.model_runner import ModelRunner
+
+        runner = ModelRunner(self.config, dist=self.ctx)
+        runner.before_forward = self.send_step
+        runner.tp_driver = self
+        self.runner = runner
+        return runner
+
+    # ---------------------------------------------------------------- steps
+
+    def send_step(self, batch: ForwardBatch) -> None:
+        """Broadcast the step (called by ModelRunner.forward on rank 0 right before its own forward)."""
+        self.check()
+        try:
+            _broadcast_batch(self.ctx, batch)
+        except Exception:
+            failure = self.wait_for_failure(5.0)
+            if failure is not None:
+                raise failure from None
+            raise
+
+    def check(self) -> None:
+        """Raise the first worker failure (a broken group cannot run another step)."""
+        failure = self.workers.failure
+        if failure is not None:
+            raise failure
+        if self._closed:
+            raise SglxError("the tensor-parallel workers were shut down")
+
+    def wait_for_failure(self, timeout_s: float) -> WorkerError | None:
+        """The worker failure behind a collective error (its report may arrive a moment later)."""
+        self._failed.wait(timeout_s)
+        return self.workers.failure
+
+    def _on_failure(self, error: WorkerError) -> None:
+        log.error("%s", error)
+        self._failed.set()
+        if getattr(self, "ctx", None) is not None and self.ctx.backend == "nccl":
+            _abort_group()  # NCCL would wait for the dead rank until its timeout; gloo fails on its own
+
+    # ---------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait briefly, terminate what is left, leave the group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "ctx", None) is not None and self.workers.failure is None:
+            with contextlib.suppress(Exception):
+                self.ctx.broadcast_object(None)
+                self.workers.wait(30.0)
+        self.workers.shutdown()
+        with contextlib.suppress(Exception):
+            destroy_distributed()
+
+
+def _device_for(config: EngineConfig, rank: int) -> torch.device:
+    from sglx.llm.model_runner import resolve_device
+
+    device = resolve_device(config.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _abort_group() -> None:
+    """Abort the NCCL communicators so collectives blocked on a dead rank return an error instead of hanging."""
+    with contextlib.suppress(Exception):
+        from torch.distributed import distributed_c10d
+
+        abort = getattr(distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+
+
+# -------------------------------------------------------------------- the step on the wire
+
+
+def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
+    table = batch.req_to_token_pool.req_to_token
+    width = max(batch.seq_lens_cpu, default=0)
+    header = {"mode": batch.mode.value, "tokens": batch.num_tokens, "width": width,
+              "seq_lens": batch.seq_lens_cpu, "extend_seq_lens": batch.extend_seq_lens_cpu,
+              "extend_prefix_lens": batch.extend_prefix_lens_cpu, "return_all_logits": batch.return_all_logits}
+    ctx.broadcast_object(header)
+    rows = table[batch.req_pool_indices.to(table.device), :width].to(torch.int64)
+    ctx.broadcast(_pack(batch, rows, ctx.device))
+
+
+def _pack(batch: ForwardBatch, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    parts = [batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+             rows.reshape(-1)]
+    return torch.cat([p.to(device=device, dtype=torch.int64) for p in parts])
+
+
+def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None:
+    header = ctx.broadcast_object(None)
+    if header is None:
+        return None
+    t, width, lens = header["tokens"], header["width"], header["seq_lens"]
+    bs = len(lens)
+    buf = torch.empty(3 * t + 2 * bs + bs * width, dtype=torch.int64, device=ctx.device)
+    ctx.broadcast(buf)
+    input_ids, positions, req_idx, seq_lens, out_loc, rows = buf.split([t, t, bs, bs, t, bs * width])
+    table = runner.req_to_token_pool.req_to_token
+    if width:
+        table[req_idx.to(table.device), :width] = rows.reshape(bs, width).to(table.device, table.dtype)
+    device = runner.device
+    return ForwardBatch(
+        mode=ForwardMode(header["mode"]), input_ids=input_ids.to(device), positions=positions.to(device),
+        req_pool_indices=req_idx.to(device), seq_lens=seq_lens.to(device), out_cache_loc=out_loc.to(device),
+        req_to_token_pool=runner.req_to_token_pool, token_kv_pool=runner.token_kv_pool,
+        seq_lens_cpu=list(lens), extend_seq_lens_cpu=list(header["extend_seq_lens"]),
+        extend_prefix_lens_cpu=list(header["extend_prefix_lens"]),
+        return_all_logits=header["return_all_logits"])
+
+
+def _worker_main(rank: int, world_size: int, config: EngineConfig) -> int:
+    """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends."""
+    from sglx.llm.model_runner import ModelRunner
+
+    if _device_for(config, rank).type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    ctx = init_distributed(rank, world_size, device=_device_for(config, rank))
+    runner = ModelRunner(config, dist=ctx)
+    steps = 0
+    with torch.inference_mode():
+        while True:
+            batch = _receive_batch(ctx, runner)
+            if batch is None:
+                break
+            runner.forward(batch)
+            steps += 1
+    runner.release_memory()
+    destroy_distributed()
+    return steps
