@@ -32,6 +32,7 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mha", "flex_attention"),
+               ("llm", "mha", "fa3"), ("llm", "mha", "fa4"),
                ("llm", "mla", "torch_native"), ("llm", "mla", "triton"), ("llm", "mla", "flashinfer"),
                ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
@@ -107,8 +108,6 @@ def test_backend_names_include_aliases_for_cli_choices() -> None:
 # SGLang's published matrix: (native paging, fp8 KV, fp4 KV, spec topk=1, spec topk>1, sliding window, multimodal)
 MHA_MATRIX = {
     "flashinfer": (True, True, False, True, True, True, False),
-    "fa3": (True, True, False, True, True, True, True),
-    "fa4": (True, False, True, True, True, False, True),
     "trtllm_mha": (True, True, True, True, False, True, False),
     "dual_chunk_flash_attn": (True, False, False, False, False, False, False),
     "aiter": (True, True, False, True, True, True, True),
@@ -171,6 +170,20 @@ def test_triton_declares_what_sglx_implements() -> None:
     got = (f.native_paging, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1, f.sliding_window, f.multimodal)
     assert got == (True, True, False, False, False, True, False)
     assert f.cuda_graph
+
+
+def test_fa_backends_declare_what_sglx_implements() -> None:
+    """sglx's fa3/fa4: paged, sliding window, graphs; no fp8/fp4 KV (not wired) or spec decoding; fp16/bf16 only."""
+    for name in ("fa3", "fa4"):
+        s = spec("llm", "mha", name)
+        f = s.features
+        assert isinstance(f, LLMFeatures) and s.implemented and s.load().supports_cuda_graph
+        got = (f.native_paging, f.fp8_kv, f.fp4_kv, f.spec_topk1, f.spec_topk_gt1, f.sliding_window, f.multimodal)
+        assert got == (True, False, False, False, False, True, False) and f.cuda_graph
+        reasons = availability(s, SNAPSHOTS["h100"], AttentionRequest(dtype="float32", head_dim=264))
+        assert any("dtype float32 is not supported" in r for r in reasons.reasons)
+        assert any("head dim 264 is not supported: needs <= 256" in r for r in reasons.reasons)
+    assert "NOT verified" in spec("llm", "mha", "fa3").notes and "535 MB" in spec("llm", "mha", "fa3").notes
 
 
 def test_flex_attention_declares_what_sglx_implements() -> None:
@@ -263,10 +276,13 @@ def test_implemented_backends_run_everywhere(machine: str) -> None:
 
 
 def test_availability_lists_every_reason_not_just_the_first() -> None:
-    reasons = availability(spec("llm", "mha", "fa3"), fake("mps")).reasons
+    reasons = availability(spec("llm", "mha", "dual_chunk_flash_attn"), fake("mps")).reasons
     assert reasons[0] == NOT_IMPLEMENTED
     assert "runs on CUDA only; this machine is MPS" in reasons
-    assert any("flash_attn_interface is not installed" in r for r in reasons)
+    assert any("sgl_kernel is not installed" in r for r in reasons)
+    fa3 = availability(spec("llm", "mha", "fa3"), fake("mps")).reasons
+    assert "runs on CUDA only; this machine is MPS" in fa3
+    assert any("flash_attn_interface or sgl_kernel is not installed" in r and "535 MB" in r for r in fa3)
 
 
 def test_availability_reports_a_broken_package_with_its_import_error() -> None:
@@ -280,7 +296,7 @@ def test_availability_reports_a_broken_package_with_its_import_error() -> None:
     ("mha", "fa4", AttentionRequest(kv_cache_dtype="fp8_e4m3"), "fp8 KV cache"),
     ("mha", "flex_attention", AttentionRequest(kv_cache_dtype="fp8_e5m2"), "fp8 KV cache"),
     ("mha", "flashinfer", AttentionRequest(kv_cache_dtype="fp4_e2m1"), "fp4 KV cache"),
-    ("mha", "fa4", AttentionRequest(sliding_window=True), "sliding-window"),
+    ("mha", "flex_attention", AttentionRequest(spec_topk=1), "topk=1"),
     ("mha", "trtllm_mha", AttentionRequest(spec_topk=2), "topk>1 is not supported"),
     ("mha", "torch_native", AttentionRequest(spec_topk=1), "topk=1"),
     ("mla", "fa3", AttentionRequest(kind="mla", spec_topk=3, page_size=64), "needs --page-size 1"),

@@ -117,9 +117,9 @@ NOT_INSTALLED = "is not installed"
 # (machine, packages, without, broken, chosen, page size, {passed-over name: reason substrings})
 AUTO_MHA = [
     pytest.param("h100_cu124", ALL, (), None, "fa3", 1, {}, id="h100-cu124-fa3"),
-    pytest.param("h100_cu124", ALL, ("flash_attn_interface",), None, "flashinfer", 1,
-                 {"fa3": ("flash_attn_interface is not installed",)}, id="h100-cu124-no-fa3-pkg"),
-    pytest.param("h100_cu124", ALL, (), {"flash_attn_interface": BROKEN_FA3}, "flashinfer", 1,
+    pytest.param("h100_cu124", ALL, ("flash_attn_interface", "sgl_kernel"), None, "flashinfer", 1,
+                 {"fa3": ("flash_attn_interface or sgl_kernel is not installed",)}, id="h100-cu124-no-fa3-pkg"),
+    pytest.param("h100_cu124", ALL, ("sgl_kernel",), {"flash_attn_interface": BROKEN_FA3}, "flashinfer", 1,
                  {"fa3": ("fails to import", "undefined symbol")}, id="h100-cu124-broken-fa3-pkg"),
     pytest.param("h100_cu122", ALL, (), None, "flashinfer", 1,
                  {"fa3": ("CUDA >= 12.3", "12.2")}, id="h100-cu122-flashinfer"),
@@ -352,8 +352,11 @@ EXPLICIT = [
                  ("fp8 KV cache", "flex_attention"), id="flex-fp8"),
     pytest.param("h100_cu124", MLA, LLMBackendArgs(attention_backend="fa3", kv_cache_dtype="fp8_e4m3"), None,
                  ("fp8 KV cache", "fa3"), id="fa3_mla-fp8"),
-    pytest.param("b200", ModelTraits(sliding_window=True), LLMBackendArgs(attention_backend="fa4"), None,
-                 ("sliding-window attention, which fa4 does not support",), id="fa4-sliding"),
+    pytest.param("b200", ModelTraits(sliding_window=True), LLMBackendArgs(attention_backend="fa4"),
+                 ("fa4", "fa4", 1), (), id="fa4-sliding"),
+    pytest.param("h100_cu124", ModelTraits(dtype="float32"), LLMBackendArgs(attention_backend="fa4"), None,
+                 ("dtype float32 is not supported: needs float16 or bfloat16", "Backends that would run here"),
+                 id="fa4-float32"),
     pytest.param("cpu", ModelTraits(sliding_window=True), LLMBackendArgs(attention_backend="flex_attention"),
                  ("flex_attention", "flex_attention", 1), (), id="flex-sliding"),
     pytest.param("cpu", MHA, LLMBackendArgs(attention_backend="flex_attention", kv_cache_dtype="fp8_e4m3"), None,
@@ -521,7 +524,7 @@ def test_hybrid(name, traits, args, expected, lost) -> None:  # type: ignore[no-
                  ("--prefill-attention-backend nope: unknown attention backend",), id="phase-unknown"),
 ])
 def test_hybrid_errors(name, traits, args, needles) -> None:  # type: ignore[no-untyped-def]
-    snap = machine(name, without=("flash_attn_interface",)) if "fa3" in str(args) else machine(name)
+    snap = machine(name, without=("flash_attn_interface", "sgl_kernel")) if "fa3" in str(args) else machine(name)
     msg = raises_unavailable(select_llm, snap, traits, args)
     for needle in needles:
         assert needle in msg, msg
@@ -535,14 +538,15 @@ REAL_MACHINES = list(MACHINES)
 @pytest.mark.parametrize("name", REAL_MACHINES)
 def test_real_registry_mha_picks_only_implemented(name: str) -> None:
     sel = select_llm(machine(name), MHA, LLMBackendArgs())
-    expected = "triton" if MACHINES[name][0] in ("cuda", "rocm", "xpu") else "torch_native"  # triton on any GPU
-    assert (sel.prefill, sel.decode) == (expected, expected)
+    chosen = registry.find(sel.decode, "llm", "mha")
+    assert chosen is not None and chosen.implemented and sel.prefill == sel.decode
     lost = passed_over(sel.considered)
-    for cand, reasons in lost.items():
-        assert NOT_IMPLEMENTED in reasons, (cand, reasons)
-    if name == "h100_cu124":
-        assert set(lost) == {"fa3", "flashinfer"}
-        assert all(reasons == NOT_IMPLEMENTED for reasons in lost.values())  # everything else holds there
+    order = [n for n, _ in llm_auto_candidates(machine(name), "mha")]
+    assert set(lost) == set(order[:order.index(sel.decode)])  # every earlier candidate lost, each with reasons
+    if MACHINES[name][0] not in ("cuda", "rocm", "xpu"):
+        assert sel.decode == "torch_native"
+    if name == "h100_cu124":  # fa3 is implemented and its package installed there: SGLang's Hopper default
+        assert (sel.decode, lost) == ("fa3", {})
 
 
 @pytest.mark.parametrize("name", REAL_MACHINES)
@@ -612,14 +616,14 @@ def test_fa_variant_per_machine(name: str, packages: tuple[str, ...], variant: s
 
 
 @pytest.mark.parametrize(("traits", "backend"), [
-    (MHA, "fa3"), (MHA, "flashinfer"), (MLA, "flashmla"), (MLA, "trtllm_mla"),
+    (MHA, "dual_chunk_flash_attn"), (MHA, "flashinfer"), (MLA, "flashmla"), (MLA, "trtllm_mla"),
 ])
 def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, backend: str) -> None:
     snap = machine("b200" if backend == "trtllm_mla" else "h100_cu124")
     msg = raises_unavailable(select_llm, snap, traits, LLMBackendArgs(attention_backend=backend))
     assert f"  - {NOT_IMPLEMENTED}" in msg.splitlines()
     if traits is MHA:
-        assert "Backends that would run here: triton, torch_native" in msg
+        assert "Backends that would run here: " in msg and "triton, torch_native" in msg
     else:
         assert "Backends that would run here: flashinfer, triton, torch_native" in msg
 

@@ -36,7 +36,7 @@ KERNEL_PACKAGES: tuple[KernelPackage, ...] = (
     KernelPackage(
         "flash_attn_interface",
         ("flash-attn-3", "flash_attn_3", "flashattn-hopper"),
-        "build FlashAttention 3 from flash-attention/hopper; no pip wheel",
+        "build FlashAttention 3 from flash-attention/hopper, or pip install sgl-kernel (its wheel is 535 MB)",
     ),
     KernelPackage(
         "flash_attn.cute",

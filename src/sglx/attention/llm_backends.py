@@ -22,6 +22,8 @@ CUDA = OnPlatform(("cuda",))
 ROCM = OnPlatform(("rocm",))
 SM90 = CapabilityIn(((9, 0),))
 BLACKWELL_DC = CapabilityIn(((10, None),))
+FLASH_DTYPES = Dtypes(("float16", "bfloat16"))
+FLASH_HEAD_DIMS = HeadDims(max=256, multiple_of=8)
 
 # ---------------------------------------------------------------- MHA
 
@@ -36,19 +38,29 @@ register(BackendSpec(
 register(BackendSpec(
     name="fa3", family="llm", kind="mha", title="FlashAttention 3",
     summary="FlashAttention 3 with paged KV; SGLang's default on Hopper with CUDA >= 12.3.",
-    requires=(CUDA, Capability(min=(8, 0), max=(9, 0)), Package(("flash_attn_interface",))),
-    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=True, spec_topk_gt1=True,
-                         sliding_window=True, multimodal=True, cuda_graph=True),
+    requires=(CUDA, Capability(min=(8, 0), max=(9, 0)), Package(("flash_attn_interface", "sgl_kernel")),
+              FLASH_DTYPES, FLASH_HEAD_DIMS),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=False, cuda_graph=True),
+    factory="sglx.attention.llm.fa3:FA3Backend",
+    notes="flash_attn_with_kvcache over the pool's pages (any page size), the metadata shared with fa4; sliding "
+          "window, soft-cap, decode in CUDA graphs; no fp8 KV. NOT verified on a GPU: neither flash-attn-3 nor "
+          "sgl-kernel (a 535 MB wheel) can be installed on the lent H100 (torch 2.11 + CUDA 13); its call is "
+          "tested on CPU against a float64 stand-in of FA3's documented contract.",
 ))
 
 register(BackendSpec(
     name="fa4", family="llm", kind="mha", title="FlashAttention 4",
     summary="FlashAttention 4 (CuTe DSL) for SM90 and SM100; decode has no split-KV on Hopper.",
-    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",))),
-    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=True, spec_topk_gt1=True,
-                         sliding_window=False, multimodal=True, page_sizes=PageSizeRule((128,), on=SM90),
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",)), FLASH_DTYPES,
+              FLASH_HEAD_DIMS),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         sliding_window=True, multimodal=False, page_sizes=PageSizeRule((128,), on=SM90),
                          cuda_graph=True),
-    notes="On SM90 page_size must be 128; decode is slower than fa3 at long context on Hopper (no split-KV).",
+    factory="sglx.attention.llm.fa4:FA4Backend",
+    notes="flash_attn.cute.flash_attn_varlen_func over the pool's pages (prefix hits, GQA, sliding window, "
+          "soft-cap), decode in CUDA graphs. On SM90 page_size must be 128 (auto picks it); no split-KV on SM90, "
+          "so decode slows down with context at small batch (slower than fa3 at long context on Hopper).",
 ))
 
 register(BackendSpec(

@@ -7,13 +7,13 @@ builds do too, FA2 returns out. The kernel is imported when the backend is built
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.optional_kernels import load_kernel
 from sglx.attention.registry import availability, chosen_variant, find
 from sglx.errors import BackendUnavailableError, SglxError
 from sglx.platform import PlatformSnapshot
@@ -22,11 +22,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _kernel(module: str) -> Callable[..., Any]:
-    try:
-        return importlib.import_module(module).flash_attn_func
-    except (ImportError, OSError, RuntimeError, AttributeError) as exc:
-        raise BackendUnavailableError(f"attention backend fa: {module} failed to import ({type(exc).__name__}: "
-                                      f"{exc}); use --attention-backend torch_sdpa") from exc
+    return load_kernel(module, "flash_attn_func", "fa", "--attention-backend torch_sdpa")
 
 
 class FlashAttentionBackend(DiffusionAttentionBackend):
