@@ -138,9 +138,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU logic check under TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", nargs="*", default=[],
                         help="MLADecodeConfig fields to sweep, e.g. block_h=16,32 num_warps=4,8 (every combination)")
+    parser.add_argument("--configs", default="",
+                        help="explicit MLADecodeConfig overrides as a JSON list, e.g. "
+                             "'[{\"block_h\": 64, \"num_warps\": 8}]' (the default config is always timed first)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs = [MLADecodeConfig()]
+    if args.configs:
+        configs += [replace(MLADecodeConfig(), **fields) for fields in json.loads(args.configs)]
     for item in args.sweep:
         field, _, values = item.partition("=")
         configs = [replace(c, **{field: int(v)}) for c in configs for v in values.split(",")]
@@ -171,11 +176,15 @@ def main() -> None:
                                                                                           "skipped": fi})
             except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, the run goes on
                 rows.append({"route": "flashinfer", "error": f"{type(exc).__name__}: {exc}"[:400]})
-            triton_ms = [r["ms"] for r in rows if r["route"].startswith("triton") and "ms" in r]
+            timed = [r for r in rows if r["route"].startswith("triton") and "ms" in r]
+            triton_ms = [r["ms"] for r in timed]
             fi_ms = next((r["ms"] for r in rows if r["route"] == "flashinfer" and "ms" in r), None)
             entry = {**shape, "page_size": page, "kv_cache_dtype": kv_dtype, "dtype": str(dtype), "routes": rows}
             if triton_ms and fi_ms:
                 entry["best_triton_over_flashinfer"] = min(triton_ms) / fi_ms
+                entry["default_triton_over_flashinfer"] = rows[0].get("ms", float("nan")) / fi_ms
+            if timed:
+                entry["best_triton_route"] = min(timed, key=lambda r: r["ms"])["route"]
             results.append(entry)
             print(json.dumps(entry))
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -7,9 +7,12 @@ Routing follows the reference implementations exactly (float32 router logits):
   their two best biased scores; weights are the UNbiased scores of the chosen experts.
 Weights are renormalized when norm_topk_prob (V3; V2 only with top_k > 1, where it replaces the scaling
 as in DeepSeek's V2 code) and multiplied by routed_scaling_factor otherwise / afterwards (V3).
-The experts run as one grouped GEMM pair (`torch._grouped_mm`) where torch has its sync-free fast path
-(bfloat16 on CUDA SM90+), which CUDA graphs can capture; elsewhere as one small GEMM pair per expert that
-received tokens (exact, but it reads the token counts on the host, so no graphs).
+On a CUDA/ROCm GPU the experts run as sglx's fused Triton MoE (`kernels/fused_moe.py`: pairs sorted by
+expert on the device, gate/up GEMM with SiLU fused, down GEMM times the routing weight; four launches,
+no host sync, so CUDA graphs capture it, in any dtype). Without it (SGLX_FUSED_KERNELS=0) they run as
+one grouped GEMM pair (`torch._grouped_mm`) where torch has its sync-free fast path (bfloat16 on CUDA
+SM90+); elsewhere, and on CPU, as one small GEMM pair per expert that received tokens (exact, HF's
+order, but it reads the token counts on the host, so no graphs).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.deepseek_config import MoEConfig
+from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
 
 
@@ -64,6 +68,16 @@ def grouped_gemm_graph_safe(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def fused_moe_applies(device: torch.device) -> bool:
+    """Whether the fused Triton experts run on tensors of this device (CUDA/ROCm, triton, switch on)."""
+    return device.type == "cuda" and fused_kernels_enabled() and triton_available()
+
+
+def experts_graph_safe(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the routed experts run without a host sync here, so CUDA graphs can capture decode."""
+    return fused_moe_applies(device) or grouped_gemm_graph_safe(dtype, device)
+
+
 class RoutedExperts(nn.Module):
     """E gated experts as stacked weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
 
@@ -76,10 +90,18 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum_k weights * expert_ids(x) [T, H]."""
+        if fused_moe_applies(x.device):
+            return self.forward_fused(x, weights, ids)
         aligned = x.shape[-1] % 8 == 0 and self.intermediate_size % 8 == 0  # 16-byte rows for the fast path
         if aligned and grouped_gemm_graph_safe(x.dtype, x.device):
             return self.forward_grouped(x, weights, ids)
         return self.forward_loop(x, weights, ids)
+
+    def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted)."""
+        from sglx.llm.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu")
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""

@@ -22,7 +22,7 @@ from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.linear import Linear, linear
-from sglx.llm.layers.moe import DeepseekMoE, grouped_gemm_graph_safe
+from sglx.llm.layers.moe import DeepseekMoE, experts_graph_safe
 from sglx.llm.model_config import ModelConfig
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -148,10 +148,11 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def cuda_graph_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why decode cannot be captured in CUDA graphs with these weights here, or None."""
-        if self.config.moe is None or grouped_gemm_graph_safe(dtype, device):
+        if self.config.moe is None or experts_graph_safe(dtype, device):
             return None
         return (f"the MoE experts run a per-expert loop in {str(dtype).removeprefix('torch.')} on this device "
-                "(torch's sync-free grouped GEMM needs bfloat16 on an SM90+ GPU)")
+                "(the fused Triton experts need a CUDA/ROCm GPU with triton and SGLX_FUSED_KERNELS on; torch's "
+                "sync-free grouped GEMM needs bfloat16 on an SM90+ GPU)")
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.num_tokens == 0:

@@ -1,0 +1,158 @@
+"""Fused MoE experts in Triton: tokens sorted by expert on the device, then two grouped GEMMs.
+
+Why: a decode step's MoE layer reads only the experts its tokens chose, so it is bandwidth-bound, and at
+small batches it is launch-bound too. Here a whole layer is four launches with no host sync (CUDA graphs
+capture it): (1) one program sorts the (token, choice) pairs by expert into blocks of BLOCK_M rows
+(each block belongs to one expert, padded rows masked), (2) gate/up GEMM with SiLU(gate) * up fused,
+one program per (block, column tile), each reading only its expert's weight tile, (3) down GEMM times
+the routing weight, written per pair in float32, (4) the sum over a token's top-k choices. The sort
+is stable, so a token's rows are in pair order; the sum runs in float32 (HF adds in the model dtype).
+Like SGLang's fused_moe (moe_align_block_size + fused_moe_kernel), written here for sglx's layouts:
+w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglx.attention.kernels.common import dot
+
+
+@triton.jit
+def _moe_align_kernel(Ids, Sorted_Ids, Block_Expert, Block_Rows, num_pairs, num_blocks,
+                      E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: pair ids sorted (stably) by expert into BLOCK_M-row blocks; per block its expert
+    (-1: unused) and how many of its rows are real."""
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < E
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(Ids + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        live = offs < num_pairs
+        e = tl.load(Ids + offs, mask=live, other=-1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(onehot, 0) - 1 + seen[None, :]) * onehot, 1)
+        dest = tl.sum(pad_start[None, :] * onehot, 1) + rank
+        tl.store(Sorted_Ids + dest, offs, mask=live)
+        seen += tl.sum(onehot, 0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        row0 = blocks * BLOCK_M
+        owner = tl.sum(((pad_end[None, :] <= row0[:, None]) & real[None, :]).to(tl.int32), 1)
+        mine = (experts[None, :] == owner[:, None]).to(tl.int32)
+        first = tl.sum(pad_start[None, :] * mine, 1)
+        count = tl.sum(counts[None, :] * mine, 1)
+        rows = tl.minimum(tl.maximum(count - (row0 - first), 0), BLOCK_M)
+        used = owner < E
+        tl.store(Block_Expert + blocks, tl.where(used, owner, -1), mask=blocks < num_blocks)
+        tl.store(Block_Rows + blocks, tl.where(used, rows, 0), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _moe_gemm_kernel(A, W, C, Sorted_Ids, Block_Expert, Block_Rows, Routed_W,
+                     N, K, up_offset, a_div,
+                     stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+                     FUSE_SILU: tl.constexpr, ROUTED: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair, n] = A[pair // a_div] . W[e, n] for the block's rows; FUSE_SILU: silu(gate) * up with the up
+    rows `up_offset` rows further in W; ROUTED: times the pair's routing weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(Block_Expert + pid_m)
+    if expert >= 0:
+        n_rows = tl.load(Block_Rows + pid_m)
+        offs_m = tl.arange(0, BLOCK_M)
+        row_mask = offs_m < n_rows
+        pairs = tl.load(Sorted_Ids + pid_m * BLOCK_M + offs_m, mask=row_mask, other=0)
+        a_rows = (pairs // a_div).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = (W + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+                  + offs_k[:, None] * stride_wk)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += dot(a, w, IEEE)
+            if FUSE_SILU:
+                w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_up += dot(a, w_up, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if FUSE_SILU:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if ROUTED:
+            acc = acc * tl.load(Routed_W + pairs, mask=row_mask, other=0.0)[:, None]
+        c_ptrs = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _tiles(num_pairs: int, interpret: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks for decode (each expert gets few
+    rows; many column tiles keep every SM reading weights), bigger ones once experts get many rows."""
+    if interpret:
+        return 16, 32, 32, 1, 1
+    if num_pairs <= 1024:
+        return 16, 64, 128, 4, 4
+    return 64, 128, 64, 8, 3
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted pair ids [blocks * block_m] int32, expert of each block [blocks] int32 (-1 unused),
+    real rows of each block [blocks] int32). The block count is a bound known on the host (no sync)."""
+    pairs = ids.numel()
+    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(128, 4096 // block_e))
+    _moe_align_kernel[(1,)](ids.reshape(-1), sorted_ids, block_expert, block_rows, pairs, blocks,
+                            E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    return sorted_ids, block_expert, block_rows
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              interpret: bool = False) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    experts, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    pairs = tokens * top_k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    block_m, block_n, block_k, warps, stages = _tiles(pairs, interpret)
+    sorted_ids, block_expert, block_rows = moe_align(ids, experts, block_m)
+    blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(blocks, triton.cdiv(inter_size, block_n))](
+        x, w13, inter, sorted_ids, block_expert, block_rows, x,
+        inter_size, hidden, inter_size, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        FUSE_SILU=True, ROUTED=False, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        inter, w2, y, sorted_ids, block_expert, block_rows, weights.reshape(-1).float().contiguous(),
+        hidden, inter_size, 0, 1,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        FUSE_SILU=False, ROUTED=True, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    return y.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
