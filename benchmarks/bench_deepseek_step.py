@@ -40,17 +40,16 @@ def _graphed(fn):
 
 def moe_layer(bandwidth: float, token_counts: list[int]) -> list[dict]:
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(dev).manual_seed(0)
     e, k, h, i = 64, 6, 2048, 1408
-    experts = RoutedExperts(e, h, i).to(dev)
-    experts.w13.data = (torch.randn(e, 2 * i, h, generator=gen) * h ** -0.5).to(dev, torch.bfloat16)
-    experts.w2.data = (torch.randn(e, h, i, generator=gen) * i ** -0.5).to(dev, torch.bfloat16)
+    experts = RoutedExperts(e, h, i).to(dev, torch.bfloat16)
+    experts.w13.data = torch.randn(e, 2 * i, h, generator=gen, device=dev).mul_(h ** -0.5).bfloat16()
+    experts.w2.data = torch.randn(e, h, i, generator=gen, device=dev).mul_(i ** -0.5).bfloat16()
     expert_bytes = 3 * h * i * 2
     rows = []
     for t in token_counts:
-        x = torch.randn(t, h, generator=gen).to(dev, torch.bfloat16)
-        weights, ids = torch.topk(torch.rand(t, e, generator=gen), k, dim=-1)
-        weights, ids = weights.to(dev), ids.to(dev)
+        x = torch.randn(t, h, generator=gen, device=dev).bfloat16()
+        weights, ids = torch.topk(torch.rand(t, e, generator=gen, device=dev), k, dim=-1)
         touched = ids.unique().numel()
         floor_ms = touched * expert_bytes / bandwidth * 1e3
         loop = experts.forward_loop(x, weights, ids).float()

@@ -170,6 +170,7 @@ def main() -> None:
                     rows.append(measure(name, triton_route(case, interpret, config), case, budget))
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
                     rows.append({"route": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                print(json.dumps(rows[-1]), flush=True)  # a run cut short still leaves its rows in the log
             try:
                 fi = flashinfer_route(case) if device.type == "cuda" else "needs CUDA"
                 rows.append(measure("flashinfer", fi, case, budget) if callable(fi) else {"route": "flashinfer",

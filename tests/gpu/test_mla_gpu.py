@@ -253,13 +253,12 @@ def test_fused_moe_matches_the_loop(tokens: int, dtype: torch.dtype) -> None:
     """The fused Triton experts at DeepSeek-V2-Lite's expert shape (64 experts, top 6, hidden 2048, 1408)."""
     from sglx.llm.layers.moe import RoutedExperts
 
-    gen = torch.Generator().manual_seed(tokens)
-    experts = RoutedExperts(64, 2048, 1408).to(DEV)
-    experts.w13.data = (torch.randn(64, 2816, 2048, generator=gen) * 2048 ** -0.5).to(DEV, dtype)
-    experts.w2.data = (torch.randn(64, 2048, 1408, generator=gen) * 1408 ** -0.5).to(DEV, dtype)
-    x = torch.randn(tokens, 2048, generator=gen).to(DEV, dtype)
-    weights, ids = torch.topk(torch.rand(tokens, 64, generator=gen), 6, dim=-1)
-    weights, ids = weights.to(DEV), ids.to(DEV)
+    gen = torch.Generator(DEV).manual_seed(tokens)
+    experts = RoutedExperts(64, 2048, 1408).to(DEV, dtype)
+    experts.w13.data = torch.randn(64, 2816, 2048, generator=gen, device=DEV).mul_(2048 ** -0.5).to(dtype)
+    experts.w2.data = torch.randn(64, 2048, 1408, generator=gen, device=DEV).mul_(1408 ** -0.5).to(dtype)
+    x = torch.randn(tokens, 2048, generator=gen, device=DEV).to(dtype)
+    weights, ids = torch.topk(torch.rand(tokens, 64, generator=gen, device=DEV), 6, dim=-1)
     got = experts.forward_fused(x, weights, ids).double()
     want = torch.zeros(tokens, 2048, dtype=torch.float64, device=DEV)
     for e in ids.unique().tolist():  # float64, expert by expert
