@@ -198,12 +198,12 @@ def _one_size(runner: Any, config: OneBatchConfig, bs: int, seed: int, bandwidth
 
 def run_one_batch(engine_config: EngineConfig, config: OneBatchConfig,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from sglx.llm.model_runner import ModelRunner
+    from sglx.llm.tp_runtime import build_model_runner
 
     cfg = engine_config_for(engine_config, config)
     if progress:
         progress(f"loading {cfg.model_path or 'the embedded model'} ({cfg.load_format} weights)")
-    runner = ModelRunner(cfg)
+    runner = build_model_runner(cfg)  # --tp-size N: rank 0 here, the other ranks in worker processes
     try:
         bandwidth = copy_bandwidth(runner.device)
         results = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import socket
 import threading
@@ -37,6 +38,7 @@ from sglx.distributed.group import MULTICAST_OFF_ENV, destroy_distributed
 from sglx.errors import SglxError
 
 TERMINATE_GRACE_S = 3.0
+REPORT_GRACE_S = 5.0  # how long a rank that exited may take to have its report read
 
 
 class WorkerError(SglxError):
@@ -97,7 +99,9 @@ def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
         results.close()
         results.join_thread()
         os._exit(1)  # skip torch's atexit teardown, which can block on a group whose peers are gone
-    results.put((rank, True, value, ""))
+    # pickled here with the standard pickler: torch's queue reducers would pass tensors as shared-memory
+    # handles, which the parent cannot open once this process has exited
+    results.put((rank, True, pickle.dumps(value), ""))
     results.close()
     results.join_thread()
     with contextlib.suppress(Exception):
@@ -184,7 +188,7 @@ class WorkerGroup:
         except (queue.Empty, EOFError, OSError):
             return
         if ok:
-            self._values[rank] = value
+            self._values[rank] = pickle.loads(value)
         else:
             self._fail(rank, value, details)
 
@@ -202,7 +206,9 @@ class WorkerGroup:
             self._drain(0.1)
             for rank, proc in self._procs.items():
                 if proc.exitcode is not None and rank not in self._values and self._failure is None:
-                    self._drain(0.5)  # its message may still be in flight
+                    deadline = time.monotonic() + REPORT_GRACE_S  # its report may still be in the pipe
+                    while rank not in self._values and self._failure is None and time.monotonic() < deadline:
+                        self._drain(0.1)
                     if rank not in self._values and self._failure is None and not self._closing:
                         self._fail(rank, f"the process {_describe_exit(proc.exitcode)} without reporting")
             if self.done and all(p.exitcode is not None for p in self._procs.values()):

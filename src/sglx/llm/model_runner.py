@@ -63,11 +63,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def snapshot_for(device: torch.device) -> PlatformSnapshot:
-    """The platform snapshot selection sees: the real one, but CPU-only when the user chose --device cpu."""
+def snapshot_for(device: torch.device, snap: PlatformSnapshot | None = None) -> PlatformSnapshot:
+    """The platform snapshot selection sees: the real one (or `snap`), but CPU-only when the user chose --device cpu."""
     from sglx import platform
 
-    snap = platform.current()
+    snap = snap or platform.current()
     if device.type == "cpu" and snap.device_kind != "cpu":
         snap = replace(snap, device_kind="cpu", gpus=())
     return snap
@@ -91,7 +91,10 @@ class ModelRunner:
     rank's weight shards, and its KV pool and backend that rank's heads (`local_heads`).
     """
 
-    def __init__(self, config: EngineConfig, dist: DistContext | None = None) -> None:
+    def __init__(self, config: EngineConfig, dist: DistContext | None = None,
+                 platform_snapshot: PlatformSnapshot | None = None) -> None:
+        """platform_snapshot: the machine as rank 0 saw it (worker ranks skip probing every kernel package and
+        select exactly the backends rank 0 selected)."""
         from sglx.llm.layers.parallel import TensorParallel, check_tp_supported, use_tp
 
         self.config = config
@@ -110,7 +113,7 @@ class ModelRunner:
 
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.selection: LLMSelection = select_llm(
-            snapshot_for(self.device),
+            snapshot_for(self.device, platform_snapshot),
             self.model_config.attention_traits(_dtype_name(self.dtype)),
             LLMBackendArgs(attention_backend=config.attention_backend,
                            prefill_attention_backend=config.prefill_attention_backend,
@@ -213,8 +216,12 @@ class ModelRunner:
         if mc.mla is not None:
             return MLATokenKVPool(num_slots, page_size, mc.num_layers, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim,
                                   self.dtype, kv_dtype, device)
-        return TokenKVPool(num_slots, page_size, mc.num_layers, self.local_heads[1], mc.head_dim, self.dtype,
-                           kv_dtype, device)
+        pool = TokenKVPool(num_slots, page_size, mc.num_layers, self.local_heads[1], mc.head_dim, self.dtype,
+                           kv_dtype, device, per_token_scales=True)
+        checkpoint_scales = getattr(getattr(self, "model", None), "kv_cache_scales", None)
+        if checkpoint_scales is not None:  # fp8 KV: the checkpoint's static k_scale/v_scale win over per-token ones
+            pool.set_static_scales(*checkpoint_scales)
+        return pool
 
     def _build_backend(self) -> AttentionBackend:
         sel = self.selection

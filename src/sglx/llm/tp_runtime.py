@@ -42,6 +42,7 @@ from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 if TYPE_CHECKING:
     from sglx.llm.model_config import ModelConfig
     from sglx.llm.model_runner import ModelRunner
+    from sglx.platform import PlatformSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,10 @@ class TPDriver:
         self._failed = threading.Event()
         self._closed = False
         self.runner: ModelRunner | None = None
-        self.workers: WorkerGroup = start_workers(_worker_main, self.world_size, (config,),
+        from sglx import platform
+
+        self.platform = platform.current()  # probed once, here; the workers select from the same snapshot
+        self.workers: WorkerGroup = start_workers(_worker_main, self.world_size, (config, self.platform),
                                                   on_failure=self._on_failure)
         self.ctx = self._join_group()
 
@@ -133,7 +137,7 @@ class TPDriver:
     def build_runner(self) -> ModelRunner:
         from sglx.llm.model_runner import ModelRunner
 
-        runner = ModelRunner(self.config, dist=self.ctx)
+        runner = ModelRunner(self.config, dist=self.ctx, platform_snapshot=self.platform)
         runner.before_forward = self.send_step
         runner.tp_driver = self
         self.runner = runner
@@ -246,14 +250,14 @@ def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None
         return_all_logits=header["return_all_logits"])
 
 
-def _worker_main(rank: int, world_size: int, config: EngineConfig) -> int:
+def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot) -> int:
     """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends."""
     from sglx.llm.model_runner import ModelRunner
 
     if _device_for(config, rank).type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     ctx = init_distributed(rank, world_size, device=_device_for(config, rank))
-    runner = ModelRunner(config, dist=ctx)
+    runner = ModelRunner(config, dist=ctx, platform_snapshot=platform)
     steps = 0
     with torch.inference_mode():
         while True:
