@@ -5,7 +5,8 @@ is [q_nope_h W_UK_h (R), q_pe_h (DR)], so a score is q_lat . c + q_pe . k_pe and
 stage 1 loads each latent tile ONCE and uses it twice, as the keys of both dots and (transposed) as the
 values, for a block of heads (the rows of one tl.dot) and one split of a request's keys, writing the
 split's normalised latent output and log2-sum-exp; stage 2 (the MHA decode's merge kernel, shared)
-merges the splits. The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to
+merges the splits. With one split, stage 1 writes the output itself and stage 2 is skipped (no float32
+partials round trip). The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to
 1024. Slots come from `kv_indices`, so any page size works; fp8 latents dequantize in registers.
 """
 
@@ -46,11 +47,12 @@ def head_blocks(heads: int, config: MLADecodeConfig = MLADecodeConfig()) -> int:
 
 @triton.jit
 def _mla_decode_stage1(
-    Q, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse,
+    Q, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
     qk_scale, v_scale, max_splits, min_chunk,
-    stride_qt, stride_qh, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_qt, stride_qh, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_b, stride_out_h,
     H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -87,9 +89,13 @@ def _mla_decode_stage1(
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale
-        o_row = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
-        tl.store(o_row + offs_r[None, :], out, mask=head_mask[:, None] & r_mask[None, :])
-        tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
+        if SINGLE:  # the only split: this is the answer
+            o_row = Out + b.to(tl.int64) * stride_out_b + heads[:, None] * stride_out_h
+            tl.store(o_row + offs_r[None, :], out.to(Out.dtype.element_ty), mask=head_mask[:, None] & r_mask[None, :])
+        else:
+            o_row = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
+            tl.store(o_row + offs_r[None, :], out, mask=head_mask[:, None] & r_mask[None, :])
+            tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
 
 
 def _launch(config: MLADecodeConfig, interpret: bool) -> tuple[int, int, int]:
@@ -120,14 +126,19 @@ def mla_decode_attention(
     max_splits = mid_lse.shape[-1]
     block_n, num_warps, num_stages = _launch(config, interpret)
     block_h = _block_h(h, config)
+    single = max_splits == 1
     _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
-        q, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
+        q, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
         scaling * kv_scale * LOG2E, float(kv_scale), max_splits, config.min_chunk,
         q.stride(0), q.stride(1), kv_buffer.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         H=h, BLOCK_H=block_h, R=r, DR=dr, BLOCK_R=padded_dim(r), BLOCK_DR=padded_dim(dr), BLOCK_N=block_n,
-        FMT=kv_format(fp8_dtype), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        FMT=kv_format(fp8_dtype), IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if single:
+        return out
     _decode_stage2[(bs, h)](
         mid_o, mid_lse, out, kv_indptr, 0, max_splits, config.min_chunk,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -11,10 +11,13 @@ CUDA-graph hooks are the MHA triton backend's (one latent "KV head"); fp8 latent
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from sglx.attention.kernels.extend_attention import extend_attention
 from sglx.attention.kernels.mla_decode import MLADecodeConfig, head_blocks, mla_decode_attention
+from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.mla_base import (
     MLAAttentionBackend,
     MLALayerSpec,
@@ -34,6 +37,12 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
     supports_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        # the split count is chosen from decode_config (shared with the MHA backend): MLA's own policy
+        self.decode_config = replace(self.decode_config, waves=self.mla_decode_config.waves,
+                                     min_chunk=self.mla_decode_config.min_chunk)
 
     def _programs_per_split(self) -> int:
         """The MLA kernel runs one program per head block (all heads share the one latent 'KV head')."""
