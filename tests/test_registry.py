@@ -32,6 +32,7 @@ MLA_NAMES = {"flashinfer", "flashmla", "cutlass_mla", "trtllm_mla", "fa3", "trit
 DIFFUSION_NAMES = {"fa", "torch_sdpa", "sliding_tile_attn", "sage_attn", "sage_attn_3", "video_sparse_attn",
                    "vmoba_attn", "aiter", "sparse_video_gen_2_attn"}
 IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm", "mha", "flex_attention"),
+               ("llm", "mha", "flashinfer"), ("llm", "mha", "trtllm_mha"),
                ("llm", "mha", "fa3"), ("llm", "mha", "fa4"),
                ("llm", "mla", "torch_native"), ("llm", "mla", "triton"), ("llm", "mla", "flashinfer"),
                ("diffusion", "dit", "torch_sdpa"),
@@ -107,8 +108,6 @@ def test_backend_names_include_aliases_for_cli_choices() -> None:
 
 # SGLang's published matrix: (native paging, fp8 KV, fp4 KV, spec topk=1, spec topk>1, sliding window, multimodal)
 MHA_MATRIX = {
-    "flashinfer": (True, True, False, True, True, True, False),
-    "trtllm_mha": (True, True, True, True, False, True, False),
     "dual_chunk_flash_attn": (True, False, False, False, False, False, False),
     "aiter": (True, True, False, True, True, True, True),
     "wave": (True, False, False, False, False, False, False),

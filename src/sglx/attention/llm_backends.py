@@ -30,9 +30,17 @@ FLASH_HEAD_DIMS = HeadDims(max=256, multiple_of=8)
 register(BackendSpec(
     name="flashinfer", family="llm", kind="mha", title="FlashInfer",
     summary="FlashInfer paged prefill/decode kernels; SGLang's default on Ampere/Ada.",
-    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",))),
-    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=True, spec_topk_gt1=True,
+    requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",)), Dtypes(("float16", "bfloat16")),
+              HeadDims(allowed=(64, 128, 256))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          sliding_window=True, multimodal=False, cuda_graph=True),
+    config=(ConfigParam("decode_tensor_cores", "str", "Decode on tensor cores (FlashInfer's prefill template): "
+                        "auto uses them for GQA groups >= 4 and fp8 KV, where they win.",
+                        default="auto", choices=("auto", "on", "off")),),
+    factory="sglx.attention.llm.flashinfer:FlashInferBackend",
+    notes="The pool's pages viewed in place (every page size native), ragged prefill without cached prefixes, "
+          "paged causal prefill with them, decode on tensor cores for GQA >= 4; one plan per step and layer kind; "
+          "fp8 KV (per-layer scales), sliding window, logit soft-cap; decode in CUDA graphs.",
 ))
 
 register(BackendSpec(
@@ -103,10 +111,15 @@ register(BackendSpec(
 register(BackendSpec(
     name="trtllm_mha", family="llm", kind="mha", title="TRT-LLM MHA",
     summary="TensorRT-LLM MHA kernels via FlashInfer; SGLang's default on Blackwell (XQA decode on SM90/SM120).",
-    requires=(CUDA, CapabilityIn(((9, 0), (10, None), (12, None))), Package(("flashinfer",))),
-    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=True, spec_topk1=True, spec_topk_gt1=False,
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None), (12, None))), Package(("flashinfer",)),
+              Dtypes(("float16", "bfloat16")), HeadDims(allowed=(64, 128, 256))),
+    features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          sliding_window=True, multimodal=False, page_sizes=PageSizeRule((16, 32, 64)),
                          cuda_graph=True),
+    factory="sglx.attention.llm.trtllm_mha:TrtllmMHABackend",
+    notes="Decode: flashinfer's trtllm_batch_decode_with_kv_cache (XQA on SM90/SM120, trtllm-gen on SM100) over "
+          "the pool's pages in place, block tables built on the device, CUDA graphs; prefill is FlashInfer's "
+          "(as in SGLang). fp8 KV as e4m3 only; no logit soft-cap. Verified on SM90 only.",
 ))
 
 register(BackendSpec(

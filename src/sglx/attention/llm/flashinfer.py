@@ -1,0 +1,359 @@
+"""flashinfer: FlashInfer's paged prefill and decode kernels over sglx's KV pool, for MHA/GQA models.
+
+The pool keeps one `[slots, Hkv, D]` buffer per layer for K and one for V, with `slot = page * page_size +
+offset` (allocator.py), so `buffer.view(-1, page_size, Hkv, D)` IS FlashInfer's NHD paged layout for
+that page size: no copy, every page size native (fp8 pools: the uint8 bits viewed as their fp8 dtype).
+Page tables come from `req_to_token` (kernels/page_table.py).
+
+Prefill, chosen per step:
+- no request has a cached prefix: `BatchPrefillWithRaggedKVCacheWrapper` over this step's own K/V,
+  which are contiguous tensors already (dense loads; on Hopper FlashInfer's FA3 template);
+- otherwise (prefix hits, chunked prefill, MIXED steps): `BatchPrefillWithPagedKVCacheWrapper`, causal,
+  over prefix + new tokens, which `forward` has just stored in the pool. One kernel and one plan per step;
+  the ragged-new + paged-prefix split that SGLang runs needs two kernels and a state merge for the same
+  result, and the prefix part reads the same pages either way.
+Decode: `BatchDecodeWithPagedKVCacheWrapper`, on tensor cores when that wins (GQA groups >= 4, fp8 KV).
+
+Plans are made once per step in `init_forward_metadata`, one per distinct layer kind (sliding window,
+soft cap, scale: Qwen2 / Mistral style models mix windowed and full layers); a kind is learned the first
+time a layer of it runs (that step plans it on the spot). CUDA graphs (decode): one graph-mode wrapper
+per captured batch size over fixed page-table buffers; the page table is rebuilt INSIDE the graph from
+its static inputs, and the replay hook re-plans on the host from `seq_lens_cpu` (FlashInfer's plan
+needs host lengths and cannot be captured), as SGLang does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglx.attention.kernels.page_table import build_page_table, page_table_torch, paged_lengths
+from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.errors import BackendUnavailableError
+from sglx.llm.forward_batch import ForwardBatch
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs), its documented size
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def import_flashinfer(backend: str) -> Any:
+    """The flashinfer module, or a one-line error that says why not and what runs instead."""
+    try:
+        import flashinfer
+        import flashinfer.decode  # noqa: F401  (the wrappers and TRT-LLM decode live here)
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise BackendUnavailableError(
+            f"attention backend {backend} needs the flashinfer package, which does not import here "
+            f"({type(exc).__name__}: {exc}); pip install 'sglx[flashinfer]', or use --attention-backend triton"
+        ) from exc
+    return flashinfer
+
+
+def window_left(layer: LayerSpec) -> int:
+    """FlashInfer's inclusive left window: a window of W keys (i - W < j <= i) is window_left W - 1; -1 = none."""
+    return layer.sliding_window - 1 if layer.sliding_window else -1
+
+
+def use_tensor_core_decode(num_q_heads: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
+    """Tensor-core (prefill-template) decode: a GQA group of >= 4 query heads fills an MMA tile, and fp8 KV
+    needs the conversion path only the tensor-core kernel has fast; SGLang's rule for its flashinfer backend."""
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    return num_q_heads // num_kv_heads >= 4
+
+
+def check_context(backend: str, ctx: BackendContext) -> None:
+    """Device, dtype and head dims FlashInfer's kernels are built for; one clear line otherwise."""
+    if ctx.device.type != "cuda":
+        raise BackendUnavailableError(
+            f"attention backend {backend} runs on CUDA GPUs only; this device is {ctx.device.type} "
+            "(use --attention-backend torch_native or flex_attention here)")
+    if ctx.dtype not in SUPPORTED_DTYPES:
+        raise BackendUnavailableError(
+            f"attention backend {backend} needs --dtype float16 or bfloat16, got {ctx.dtype} "
+            "(use --attention-backend triton for float32)")
+    if ctx.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise BackendUnavailableError(
+            f"attention backend {backend} supports head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+            f"this model has {ctx.head_dim} (use --attention-backend triton)")
+
+
+def layer_scales(pool: Any, layer_id: int) -> tuple[float | None, float | None]:
+    """The layer's per-tensor K/V dequantization scales for fp8 pools (None: 1.0, nothing to apply)."""
+    if not getattr(pool, "is_fp8", False):
+        return None, None
+    out: list[float | None] = []
+    for name in ("k_scale", "v_scale"):
+        scale = getattr(pool, name)[layer_id]
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise BackendUnavailableError(
+                    f"FlashInfer applies one {name} per layer, but the KV pool holds {scale.numel()} (per-head "
+                    "scales); use --attention-backend triton for per-head fp8 scales")
+            scale = float(scale)
+        out.append(None if scale == 1.0 else float(scale))
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a plan fixes besides the batch: layers that share these share one plan per step."""
+
+    window_left: int
+    logit_cap: float
+    scaling: float
+
+    @staticmethod
+    def of(layer: LayerSpec) -> LayerKind:
+        return LayerKind(window_left(layer), float(layer.logit_cap or 0.0), float(layer.scaling))
+
+
+@dataclass
+class StepMeta:
+    """One step's page table and plans; `graph_bs` set when it belongs to a captured decode batch size."""
+
+    phase: str  # "decode" | "ragged" | "paged"
+    qo_indptr: torch.Tensor  # host int32 [bs + 1]
+    kv_indptr: torch.Tensor  # host int32 [bs + 1]: pages (paged/decode) or tokens (ragged)
+    last_page_len: torch.Tensor | None  # host int32 [bs]
+    indices: torch.Tensor | None  # device int32 pages (CSR)
+    graph_bs: int | None = None
+    planned: set[LayerKind] = field(default_factory=set)
+
+
+@dataclass
+class GraphState:
+    """Fixed page-table buffers every captured decode graph reads, and its wrappers per (batch size, kind)."""
+
+    indptr: torch.Tensor  # [max_bs + 1] int32
+    indices: torch.Tensor  # [max_bs * max_pages] int32
+    last_page_len: torch.Tensor  # [max_bs] int32
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    metas: dict[int, StepMeta] = field(default_factory=dict)
+    wrappers: dict[tuple[int, LayerKind], Any] = field(default_factory=dict)
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = True
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.fi = import_flashinfer(self.name)
+        check_context(self.name, ctx)
+        pool = ctx.token_kv_pool
+        self.page_size = ctx.page_size
+        self.kv_dtype: torch.dtype = getattr(pool, "fp8_dtype", None) or ctx.dtype
+        self.v_head_dim = getattr(pool, "v_head_dim", ctx.head_dim)
+        choice = ctx.config.get("decode_tensor_cores", "auto")
+        self.tensor_core_decode = (choice == "on" or choice == "auto" and use_tensor_core_decode(
+            ctx.num_q_heads, ctx.num_kv_heads, self.kv_dtype))
+        # FA3 (Hopper) prefill reads q and KV of one dtype; fp8 KV with 16-bit q runs FlashInfer's FA2 template
+        self.prefill_backend = "fa2" if self.kv_dtype != ctx.dtype else "auto"
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
+        self.kinds: list[LayerKind] = []  # every layer kind seen so far, planned each step
+        self.wrappers: dict[tuple[str, LayerKind], Any] = {}
+        self.meta: StepMeta | None = None
+        self.graph: GraphState | None = None
+
+    # ------------------------------------------------------------------ metadata
+    def _device_page_table(self, batch: ForwardBatch, indptr_host: list[int]) -> torch.Tensor:
+        r2t = batch.req_to_token_pool.req_to_token
+        if r2t.device.type == "cpu":  # stand-in tests on CPU: the same table by plain indexing
+            return page_table_torch(r2t, batch.req_pool_indices, batch.seq_lens_cpu, self.page_size)[1]
+        indices = torch.empty(indptr_host[-1], dtype=torch.int32, device=r2t.device)
+        bs = batch.batch_size
+        scratch = torch.empty(2 * bs + 1, dtype=torch.int32, device=r2t.device)  # device indptr/last: unused here
+        build_page_table(r2t, batch.req_pool_indices.to(r2t.device), batch.seq_lens.to(r2t.device), self.page_size,
+                         indices, scratch[:bs + 1], scratch[bs + 1:])
+        return indices
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        i32 = torch.int32
+        if batch.mode.is_decode:
+            phase = "decode"
+            q_lens = [1] * bs
+        else:
+            q_lens = list(batch.extend_seq_lens_cpu)
+            phase = "paged" if any(batch.extend_prefix_lens_cpu) else "ragged"
+        qo = [0]
+        for n in q_lens:
+            qo.append(qo[-1] + n)
+        qo_indptr = torch.tensor(qo, dtype=i32)
+        if phase == "ragged":
+            meta = StepMeta(phase, qo_indptr, qo_indptr, None, None)
+        else:
+            indptr, last = paged_lengths(batch.seq_lens_cpu, self.page_size)
+            meta = StepMeta(phase, qo_indptr, torch.tensor(indptr, dtype=i32), torch.tensor(last, dtype=i32),
+                            self._device_page_table(batch, indptr))
+        self.meta = meta
+        for kind in self.kinds:
+            self._plan(meta, kind)
+
+    def _new_wrapper(self, phase: str, graph_bs: int | None = None) -> Any:
+        fi, ws = self.fi, self.workspace
+        if phase == "ragged":
+            return fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+        if phase == "paged":
+            return fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+        if graph_bs is None:
+            return fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=self.tensor_core_decode)
+        g = self.graph
+        assert g is not None
+        return fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_core_decode,
+            paged_kv_indptr_buffer=g.indptr[:graph_bs + 1], paged_kv_indices_buffer=g.indices,
+            paged_kv_last_page_len_buffer=g.last_page_len[:graph_bs])
+
+    def _wrapper(self, meta: StepMeta, kind: LayerKind) -> Any:
+        if meta.graph_bs is not None:
+            g = self.graph
+            assert g is not None
+            key = (meta.graph_bs, kind)
+            if key not in g.wrappers:
+                g.wrappers[key] = self._new_wrapper("decode", meta.graph_bs)
+            return g.wrappers[key]
+        if (meta.phase, kind) not in self.wrappers:
+            self.wrappers[(meta.phase, kind)] = self._new_wrapper(meta.phase)
+        return self.wrappers[(meta.phase, kind)]
+
+    def _plan(self, meta: StepMeta, kind: LayerKind) -> None:
+        ctx = self.ctx
+        wrapper = self._wrapper(meta, kind)
+        common = dict(window_left=kind.window_left, logits_soft_cap=kind.logit_cap, sm_scale=kind.scaling,
+                      q_data_type=ctx.dtype)
+        if meta.phase == "ragged":
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim,
+                         head_dim_vo=self.v_head_dim, causal=True, kv_data_type=ctx.dtype, **common)
+        elif meta.phase == "paged":
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.indices, meta.last_page_len, ctx.num_q_heads,
+                         ctx.num_kv_heads, ctx.head_dim, self.page_size, head_dim_vo=self.v_head_dim, causal=True,
+                         kv_data_type=self.kv_dtype, **common)
+        else:
+            indices = meta.indices
+            if meta.graph_bs is not None:  # the graph's own kernel fills the fixed indices buffer
+                indices = meta.indices[:0]
+            wrapper.plan(meta.kv_indptr, indices, meta.last_page_len, ctx.num_q_heads, ctx.num_kv_heads,
+                         ctx.head_dim, self.page_size, kv_data_type=self.kv_dtype, **common)
+        meta.planned.add(kind)
+
+    def _planned_wrapper(self, layer: LayerSpec) -> Any:
+        meta = self.meta
+        assert meta is not None, "init_forward_metadata(batch) must run first"
+        kind = LayerKind.of(layer)
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+        if kind not in meta.planned:
+            self._plan(meta, kind)
+        return self._wrapper(meta, kind)
+
+    # ------------------------------------------------------------------ KV store
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
+        """This step's K/V into the pool: sglx's Triton store kernel on GPUs (fp8 encode included)."""
+        if not k.is_cuda:
+            self.save_kv(k, v, layer, batch)
+            return
+        from sglx.attention.kernels.store_kv import store_kv
+
+        pool = batch.token_kv_pool
+        i = layer.layer_id
+        store_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
+                 pool.k_buffer[i], pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
+                 pool.fp8_dtype)
+
+    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
+        """Rotary with the K/V store folded in, sglx's fused kernel (the same one the triton backend uses)."""
+        from sglx.attention.llm.triton import TritonBackend
+
+        return TritonBackend.rotary_and_save(self, q, k, v, cos, sin, layer, batch)  # type: ignore[arg-type]
+
+    def paged_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V buffers as FlashInfer NHD pages [pages, page_size, Hkv, D] (views, no copy)."""
+        pool = batch.token_kv_pool
+        k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        if self.kv_dtype != k.dtype:
+            k, v = k.view(self.kv_dtype), v.view(self.kv_dtype)
+        ps = self.page_size
+        return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+
+    # ------------------------------------------------------------------ attention
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._store(k, v, layer, batch)
+        wrapper = self._planned_wrapper(layer)
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        assert self.meta is not None
+        if self.meta.phase == "ragged":
+            kv_heads = layer.num_kv_heads
+            k = k.reshape(k.shape[0], kv_heads, -1).to(q.dtype)
+            v = v.reshape(v.shape[0], kv_heads, -1).to(q.dtype)
+            return wrapper.run(q.contiguous(), k.contiguous(), v.contiguous())
+        k_scale, v_scale = layer_scales(batch.token_kv_pool, layer.layer_id)
+        return wrapper.run(q.contiguous(), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
+                       batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._store(k, v, layer, batch)
+        wrapper = self._planned_wrapper(layer)
+        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
+        k_scale, v_scale = layer_scales(batch.token_kv_pool, layer.layer_id)
+        return wrapper.run(q.contiguous(), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    def max_pages_per_request(self) -> int:
+        return -(-self.ctx.req_to_token_pool.max_context_len // self.page_size)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        device, i32 = self.ctx.device, torch.int32
+        self.graph = GraphState(indptr=torch.zeros(max_bs + 1, dtype=i32, device=device),
+                                indices=torch.zeros(max_bs * self.max_pages_per_request(), dtype=i32, device=device),
+                                last_page_len=torch.ones(max_bs, dtype=i32, device=device))
+
+    def _graph_meta(self, bs: int, seq_lens_cpu: list[int]) -> StepMeta:
+        g = self.graph
+        assert g is not None, "init_cuda_graph_state must run first"
+        indptr, last = paged_lengths(seq_lens_cpu, self.page_size)
+        meta = g.metas.get(bs)
+        if meta is None:
+            meta = g.metas[bs] = StepMeta("decode", torch.arange(bs + 1, dtype=torch.int32), torch.zeros(0),
+                                          None, g.indices, graph_bs=bs)
+        meta.kv_indptr = torch.tensor(indptr, dtype=torch.int32)
+        meta.last_page_len = torch.tensor(last, dtype=torch.int32)
+        meta.planned = set()
+        return meta
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        g = self.graph
+        assert g is not None, "init_cuda_graph_state must run first"
+        g.inputs[bs] = (req_pool_indices, seq_lens)
+        meta = self._graph_meta(bs, [self.get_cuda_graph_seq_len_fill_value()] * bs)
+        self.meta = meta
+        for kind in self.kinds:
+            self._plan(meta, kind)
+
+    def init_forward_metadata_in_graph(self, bs: int) -> None:
+        """The page table from the graph's static inputs: captured, so every replay rebuilds it on the device."""
+        g = self.graph
+        assert g is not None and bs in g.inputs, f"no graph metadata was set up for batch size {bs}"
+        req_pool_indices, seq_lens = g.inputs[bs]
+        build_page_table(self.ctx.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, self.page_size,
+                         g.indices, g.indptr[:bs + 1], g.last_page_len[:bs])
+        self.meta = g.metas[bs]
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        meta = self._graph_meta(bs, seq_lens_cpu)
+        self.meta = meta
+        for kind in self.kinds:
+            self._plan(meta, kind)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # a padded request attends to one key: slot 0 of the padding page

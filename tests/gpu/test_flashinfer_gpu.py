@@ -1,0 +1,234 @@
+"""flashinfer and trtllm_mha backends on a real GPU: FlashInfer's kernels vs float64, CUDA-graph replay, HF parity.
+
+Run on the lent machine (FlashInfer from carried wheels, see benchmarks/run_flashinfer_device.sh):
+PYTHONPATH=src:/tmp/site python3 -m pytest -m gpu tests/gpu/test_flashinfer_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
+
+DEV = "cuda"
+TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10, 12)
+
+
+def _batch(cache, mode, lo, hi, new):  # noqa: ANN001, ANN202
+    from sglx.llm.forward_batch import ForwardBatch
+
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long, device=DEV),
+        positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]).to(DEV),
+        req_pool_indices=torch.tensor(cache.rows, device=DEV), seq_lens=torch.tensor(hi, device=DEV),
+        out_cache_loc=torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))]),
+        req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=list(hi),
+        extend_seq_lens_cpu=list(new) if mode.is_extend else [],
+        extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+
+
+CASES = [
+    # (backend, dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap): one head dim and dtype, so the run
+    # JIT-compiles few FlashInfer modules (each costs 20-90 s on the lent GPU)
+    ("flashinfer", torch.bfloat16, 1, 32, 8, 128, "auto", None, 0.0),
+    ("flashinfer", torch.bfloat16, 16, 32, 8, 128, "auto", None, 0.0),
+    ("flashinfer", torch.bfloat16, 64, 32, 8, 128, "auto", 300, 30.0),
+    ("flashinfer", torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3", None, 0.0),
+    ("trtllm_mha", torch.bfloat16, 16, 32, 8, 128, "auto", None, 0.0),
+    ("trtllm_mha", torch.bfloat16, 64, 32, 8, 128, "fp8_e4m3", None, 0.0),
+]
+
+
+@pytest.mark.parametrize("name,dtype,page,hq,hkv,dim,kv_cache_dtype,window,cap", CASES,
+                         ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, float) else f"{v:g}")
+def test_backend_matches_float64_step_by_step(name, dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap):
+    """Fresh prefill (ragged), decode, prefill on cached prefixes (paged), mixed, decode on scattered pages."""
+    from sglx.attention.llm.base import BackendContext, LayerSpec
+    from sglx.attention.registry import find
+    from sglx.llm.forward_batch import ForwardMode
+    from triton_interpreted.paged import make_paged_cache, reference_attention
+
+    if name == "trtllm_mha" and not SM90:
+        pytest.skip("XQA needs SM90/SM100/SM120")
+    rng = random.Random(page * 7 + dim)
+    bs = 6
+    steps = [(ForwardMode.EXTEND, [rng.randint(1, 700) for _ in range(bs)]), (ForwardMode.DECODE, [1] * bs),
+             (ForwardMode.EXTEND, [rng.choice([1, 37, 300, 555]) for _ in range(bs)]), (ForwardMode.DECODE, [1] * bs),
+             (ForwardMode.MIXED, [1, 1, 129, 1, 64, 1]), (ForwardMode.DECODE, [1] * bs)]
+    total = [sum(n[i] for _, n in steps) for i in range(bs)]
+    scales = (1.6, 0.7) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    cache = make_paged_cache(total, page, hkv, dim, dtype, device=DEV, kv_cache_dtype=kv_cache_dtype, scales=scales,
+                             fill=[0] * bs, seed=page + dim)
+    backend = find(name, "llm", "mha").load()(BackendContext(torch.device(DEV), dtype, hq, hkv, dim, page, cache.r2t,
+                                                             cache.pool))
+    layer = LayerSpec(0, hq, hkv, dim, dim ** -0.5, sliding_window=window, logit_cap=cap)
+    lo = [0] * bs
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for step, (mode, new) in enumerate(steps):
+        hi = [a + n for a, n in zip(lo, new)]
+        batch = _batch(cache, mode, lo, hi, new)
+        q = torch.randn(sum(new), hq, dim, device=DEV, dtype=dtype, generator=gen)
+        k = torch.cat([kk[a:b] for kk, a, b in zip(cache.raw_keys, lo, hi)])
+        v = torch.cat([vv[a:b] for vv, a, b in zip(cache.raw_values, lo, hi)])
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k, v, layer, batch)
+        torch.cuda.synchronize()
+        ragged = step == 0  # no cached prefix anywhere: attention reads this step's raw K/V
+        row = 0
+        for i, (a, b) in enumerate(zip(lo, hi)):
+            keys, values = (cache.raw_keys[i], cache.raw_values[i]) if ragged else (cache.keys[i], cache.values[i])
+            ref = reference_attention(q[row:row + b - a], keys[:b], values[:b], torch.arange(a, b), dim ** -0.5,
+                                      window, cap)
+            err = (out[row:row + b - a].double() - ref).abs().max().item()
+            assert err <= TOL[dtype], (mode, i, err)
+            row += b - a
+        lo = hi
+
+
+@pytest.mark.parametrize("name,page,tensor_cores", [("flashinfer", 1, "on"), ("flashinfer", 16, "off"),
+                                                    ("flashinfer", 64, "auto"), ("trtllm_mha", 64, "auto")])
+def test_cuda_graph_replay_equals_eager(name, page, tensor_cores):
+    """One captured decode graph (bucket 8, two layer kinds) replayed for batches of 8, 5 and 1 (padded)."""
+    from sglx.attention.llm.base import BackendContext, LayerSpec
+    from sglx.attention.registry import find
+    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+    from triton_interpreted.paged import make_paged_cache, reference_attention
+
+    if name == "trtllm_mha" and not SM90:
+        pytest.skip("XQA needs SM90/SM100/SM120")
+    dtype, hq, hkv, dim, bucket = torch.bfloat16, 32, 8, 128, 8
+    lens = [1, 900, 33, 2048, 64, 517, 1200, 7]
+    cache = make_paged_cache(lens, page, hkv, dim, dtype, device=DEV, seed=page)
+    for _ in range(1):  # a second layer in the pool
+        cache.pool.k_buffer.append(cache.pool.k_buffer[0] * 0.5)
+        cache.pool.v_buffer.append(-cache.pool.v_buffer[0])
+        cache.pool.k_scale.append(1.0)
+        cache.pool.v_scale.append(1.0)
+    config = {"decode_tensor_cores": tensor_cores} if name == "flashinfer" else {}
+    make = find(name, "llm", "mha").load()
+    ctx = BackendContext(torch.device(DEV), dtype, hq, hkv, dim, page, cache.r2t, cache.pool, config)
+    graphed, eager = make(ctx), make(ctx)
+    layers = [LayerSpec(0, hq, hkv, dim, dim ** -0.5), LayerSpec(1, hq, hkv, dim, 0.8 * dim ** -0.5)]  # two plans
+    rpi = torch.zeros(bucket, dtype=torch.long, device=DEV)
+    seq = torch.ones(bucket, dtype=torch.long, device=DEV)
+    q_static = torch.zeros(bucket, hq, dim, device=DEV, dtype=dtype)
+    graphed.init_cuda_graph_state(bucket, bucket)
+    graphed.init_forward_metadata_capture_cuda_graph(bucket, rpi, seq)
+    static_batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=rpi, positions=rpi, req_pool_indices=rpi,
+                                seq_lens=seq, out_cache_loc=rpi, req_to_token_pool=cache.r2t, token_kv_pool=cache.pool,
+                                seq_lens_cpu=[1] * bucket)
+
+    def step() -> list[torch.Tensor]:
+        graphed.init_forward_metadata_in_graph(bucket)
+        return [graphed.forward(q_static, q_static, q_static, layer, static_batch, save_kv_cache=False)
+                for layer in layers]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = step()
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    for picked in ([0, 1, 2, 3, 4, 5, 6, 7], [3, 1, 6, 0, 5], [2]):
+        bs = len(picked)
+        real = [lens[i] for i in picked]
+        rpi.zero_()
+        seq.fill_(1)
+        rpi[:bs] = torch.tensor([cache.rows[i] for i in picked], device=DEV)
+        seq[:bs] = torch.tensor(real, device=DEV)
+        q = torch.randn(bs, hq, dim, device=DEV, dtype=dtype, generator=gen)
+        q_static.zero_()
+        q_static[:bs] = q
+        graphed.init_forward_metadata_replay_cuda_graph(bucket, rpi, seq, real + [1] * (bucket - bs))
+        graph.replay()
+        batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=rpi[:bs], positions=rpi[:bs],
+                             req_pool_indices=rpi[:bs].clone(), seq_lens=seq[:bs].clone(), out_cache_loc=rpi[:bs],
+                             req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=real)
+        eager.init_forward_metadata(batch)
+        for j, layer in enumerate(layers):
+            want = eager.forward(q, q, q, layer, batch, save_kv_cache=False)
+            got = outs[j][:bs]
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+            for r, i in enumerate(picked):
+                scale_k = 0.5 if j else 1.0
+                keys = cache.keys[i] * scale_k
+                values = -cache.values[i] if j else cache.values[i]
+                ref = reference_attention(q[r:r + 1], keys, values, torch.tensor([lens[i] - 1]), layer.scaling,
+                                          layer.sliding_window)
+                assert (got[r:r + 1].double() - ref).abs().max().item() <= TOL[dtype], (picked, j, r)
+
+
+# ---------------------------------------------------------------- the engine against Hugging Face transformers
+
+
+@pytest.fixture(scope="module")
+def recall_examples():  # noqa: ANN201
+    """Held-out prompts of the embedded model and transformers' greedy answers (float32, stopping at EOS)."""
+    import transformers
+
+    from sglx.llm.embedded import default_model_path
+    from sglx.llm.embedded.task import VALUE_LEN, make_example
+
+    path = default_model_path()
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(12)
+    prompts, refs = [], []
+    for n in (1, 5, 17, 40, 62, 62, 33, 9):
+        prompt, _ = make_example(rng, n)
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=VALUE_LEN + 2, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+        prompts.append(ids)
+        refs.append(out[0, len(ids):].tolist())
+    return str(path), prompts, refs, tok.eos_token_id
+
+
+def _strip(ids: list[int], eos: int) -> list[int]:
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.mark.parametrize("name,page", [("flashinfer", 1), ("flashinfer", 16), ("trtllm_mha", 64)])
+def test_engine_greedy_tokens_equal_transformers(recall_examples, name, page):
+    """float16 with CUDA graphs; the prompts run twice, so the second round prefills on radix-cache hits."""
+    from sglx.llm.embedded.task import VALUE_LEN
+    from sglx.llm.engine import Engine
+
+    if name == "trtllm_mha" and not SM90:
+        pytest.skip("XQA needs SM90/SM100/SM120")
+    path, prompts, refs, eos = recall_examples
+    params = {"max_new_tokens": VALUE_LEN + 2, "temperature": 0.0}
+    with Engine(model_path=path, dtype="float16", device="cuda", attention_backend=name, page_size=page,
+                max_total_tokens=16384, cuda_graph_max_bs=16) as eng:
+        assert eng.info["cuda_graph"] is True, eng.info
+        first = eng.generate(input_ids=prompts, sampling_params=params)
+        second = eng.generate(input_ids=prompts, sampling_params=params)
+        replays = eng.runner.graph_runner.replays
+    assert replays > 0
+    want = [_strip(r, eos) for r in refs]
+    assert [_strip(r["output_ids"], eos) for r in first] == want
+    assert [_strip(r["output_ids"], eos) for r in second] == want
+
+
+def test_doctor_check_passes_on_this_gpu():
+    from sglx import platform
+    from sglx.attention.checks import run_check
+    from sglx.attention.registry import find
+
+    for name in ("flashinfer", "trtllm_mha") if SM90 else ("flashinfer",):
+        result = run_check(find(name, "llm", "mha"), platform.current())
+        assert result.status == "pass", result
