@@ -10,7 +10,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
-STAGES=${STAGES:-"bench tests step onebatch"}
+STAGES=${STAGES:-"bench fp8 tests step onebatch"}
 WHEELS=${WHEELS:-.whl/fi}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -45,7 +45,20 @@ for e in json.load(open(sys.argv[1]))["results"]:
 EOF
   [ -s "$OUT/mla_decode.json" ] || grep -o '"route": "[^"]*", "max_abs_error": [^,]*, [^]]*\], "ms": [0-9.]*' \
     "$OUT/mla_decode.log" | cut -c1-250
-  tail -3 "$OUT/mla_decode.log" | cut -c1-300
+  BEST=$(python3 - "$OUT/mla_decode.json" <<'EOF' 2>/dev/null
+import json, re, sys
+e = json.load(open(sys.argv[1]))["results"][0]
+route = e.get("best_triton_route", "")
+fields = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", route)}
+print(json.dumps([fields]))
+EOF
+)
+fi
+if has fp8; then
+  echo "== fp8 latent cache, triton (default and best bf16 config ${BEST:=[]})"
+  timeout "${FP8_TIMEOUT:-40}" python3 benchmarks/bench_mla_decode.py --pages 1 --kv-cache-dtypes fp8_e4m3 \
+    --configs "${BEST:-[]}" --out "$OUT/mla_decode_fp8.json" > "$OUT/mla_decode_fp8.log" 2>&1
+  grep -o '"route": "[^"]*", "max_abs_error": [^,]*, [^]]*\], "ms": [0-9.]*' "$OUT/mla_decode_fp8.log" | cut -c1-250
 fi
 if has tests; then
   echo "== MLA gpu tests"
