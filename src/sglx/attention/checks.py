@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from sglx.attention.registry import BackendSpec
+from sglx.attention.sparse_checks import SPARSE_BACKENDS, sparse_problem
 from sglx.platform import PlatformSnapshot
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -183,6 +184,10 @@ def run_check(spec: BackendSpec, snap: PlatformSnapshot) -> CheckResult:
                 err, ms, shape = mla_problem(spec, snap, device, dtype)
             elif spec.family == "llm":
                 err, ms, shape = _llm_problem(spec, snap, device, dtype)
+            elif spec.name in SPARSE_BACKENDS:  # dense problems as every backend, then a real sparse call
+                err, ms, shape = _diffusion_problem(spec, device, dtype)
+                s_err, s_ms, s_shape = sparse_problem(spec, device, dtype, _sync)
+                err, ms, shape = max(err, s_err), ms + s_ms, f"{shape}; sparse: {s_shape}"
             else:
                 err, ms, shape = _diffusion_problem(spec, device, dtype)
     except Exception as exc:  # a broken kernel must be reported, not crash doctor

@@ -11,16 +11,24 @@ block-sparse on the permuted sequence and the output is permuted back. The first
 steps and `first_layers_fp` of the layers (fractions, rounded down as Sparse-VideoGen does) run dense;
 `zero_step_kmeans_init` also clusters during those dense steps so the first sparse step starts warm.
 
-Variable cluster sizes on a block-level layout (the documented approximation): in the permuted query sequence
-every query cluster is padded to whole blocks (16 tokens on CPU, 64 on CUDA; padded rows are computed and
-dropped), so a query block holds one cluster and its row is exactly that cluster's choice; when padding would
-add more than half the sequence (many clusters smaller than a block), query clusters are packed like the keys
-and a block holding several attends the union of their choices. Keys are sorted by cluster without padding, so
-a key block may hold the tail of one cluster and the head of the next: it is attended when any of its clusters
-is kept. Every pair Sparse-VideoGen attends is attended, plus the keys (and, packed, queries) that share a block
-with one: density is at least SVG2's (`SVG2Plan.cluster_density` is SVG2's own). Joint text tokens follow the
-latent tokens in blocks of their own, attend everything and are attended by every query. Calls without step
-metadata run dense.
+Variable cluster sizes on a block-level layout: in the permuted query sequence every query cluster is padded to
+whole blocks (16 tokens on CPU, 64 on CUDA; padded rows are computed and dropped), so a query block holds one
+cluster; when padding would add more than half the sequence (many clusters smaller than a block), query
+clusters are packed like the keys and a block holding several attends the union of their rows. Keys are sorted
+by cluster without padding, so a key block may hold the tails and heads of several clusters.
+
+Which key blocks a query cluster attends (the top-p budget, counted in the kernel's units): the softmax mass a
+key block carries for query cluster c is the sum, over the key tokens in it, of c's centroid-estimated
+probability of that token's cluster (cluster mass / cluster size). Each query cluster keeps its key blocks best
+first until their mass reaches `top_p_kmeans` (the block that crosses it included), and at least
+`min_kc_ratio` of the latent key blocks. So every query attends keys carrying at least top_p of its estimated
+mass, as in Sparse-VideoGen, and the keys a kept block brings in besides its best cluster count towards the
+budget instead of being attended on top of it. (Attending every block that holds any kept cluster, `svg2_plan`
+without `probs`, covers Sparse-VideoGen's pairs exactly but overshoots when clusters are smaller than a
+block: 300 key clusters of 9 tokens in 64-token blocks made 91% of the block pairs for SVG2's 13%.)
+`SVG2Plan.cluster_density` is Sparse-VideoGen's own density, `layout.density()` what the kernel computes.
+Joint text tokens follow the latent tokens in blocks of their own, attend everything and are attended by every
+query. Calls without step metadata run dense.
 """
 
 from __future__ import annotations
@@ -83,20 +91,35 @@ class SVG2Config:
         return math.floor(self.first_layers_fp * num_layers)
 
 
+def cluster_probs(q_centroids: torch.Tensor, k_centroids: torch.Tensor, k_sizes: torch.Tensor, scale: float
+                  ) -> torch.Tensor:
+    """float64 [B, H, Cq, Ck]: the softmax mass of each key cluster for each query cluster, estimated from
+    centroids (`softmax(q_c . k_c * scale)` weighted by key-cluster sizes; each row sums to 1)."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q_centroids.double(), k_centroids.double()) * scale
+    weighted = k_sizes[:, :, None, :].double() * (scores - scores.amax(-1, keepdim=True)).exp()
+    return weighted / weighted.sum(-1, keepdim=True).clamp(min=1e-300)
+
+
+def top_p_keep(mass: torch.Tensor, top_p: float, at_least: int) -> torch.Tensor:
+    """bool like `mass` [..., N]: the entries kept best first until their mass reaches top_p (the one crossing
+    it included), and at least `at_least` of them."""
+    if top_p >= 1.0:
+        return torch.ones_like(mass, dtype=torch.bool)
+    ranked, order = mass.sort(-1, descending=True)
+    before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0))  # mass of the better entries: keep while <= top_p
+    keep = before <= top_p
+    keep[..., : max(1, at_least)] = True
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
 def dynamic_map(q_centroids: torch.Tensor, k_centroids: torch.Tensor, k_sizes: torch.Tensor, scale: float,
                 top_p: float, min_kc_ratio: float) -> torch.Tensor:
     """bool [B, H, Cq, Ck]: the key clusters each query cluster keeps (Sparse-VideoGen's identify_dynamic_map)."""
     ck = k_centroids.shape[2]
     if top_p >= 1.0:
         return torch.ones(q_centroids.shape[:3] + (ck,), dtype=torch.bool, device=q_centroids.device)
-    scores = torch.einsum("bhqd,bhkd->bhqk", q_centroids.double(), k_centroids.double()) * scale
-    weighted = k_sizes[:, :, None, :].double() * (scores - scores.amax(-1, keepdim=True)).exp()
-    probs = weighted / weighted.sum(-1, keepdim=True).clamp(min=1e-300)
-    ranked, order = probs.sort(-1, descending=True)
-    before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0))  # mass of the better clusters: keep while <= top_p
-    keep = before <= top_p
-    keep[..., : max(1, int(min_kc_ratio * ck))] = True
-    return torch.zeros_like(keep).scatter_(-1, order, keep)
+    probs = cluster_probs(q_centroids, k_centroids, k_sizes, scale)
+    return top_p_keep(probs, top_p, int(min_kc_ratio * ck))
 
 
 def _membership(labels: torch.Tensor, clusters: int, block: int) -> torch.Tensor:
@@ -107,6 +130,41 @@ def _membership(labels: torch.Tensor, clusters: int, block: int) -> torch.Tensor
     member = torch.zeros(p, length // block, clusters + 1, dtype=torch.bool, device=labels.device)
     member.scatter_(-1, safe.view(p, length // block, block), True)
     return member[..., :clusters]
+
+
+def semantic_cluster_order(q_labels: torch.Tensor, k_labels: torch.Tensor, probs: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Renumber clusters so the permuted sequences put related clusters next to each other (k-means numbers them
+    arbitrarily): key clusters grouped by the query cluster that weighs them most (summed over a GQA group), each
+    query cluster placed at its heaviest key cluster. A query cluster's key mass then sits in few key blocks and
+    packed query blocks hold clusters that want the same ones. Returns (q labels, k labels, probs) renumbered;
+    labels q [B, Hq, N], k [B, Hkv, N], probs [B, Hq, Cq, Ck] (`cluster_probs`)."""
+    b, hq, cq, ck = probs.shape
+    hkv = k_labels.shape[1]
+    group = hq // hkv
+    per_kv = probs.view(b, hkv, group, cq, ck).sum(2)  # [B, Hkv, Cq, Ck]
+    owner_mass, owner = per_kv.max(-2)  # [B, Hkv, Ck]
+    # key clusters by owner, heaviest first within an owner (owner mass < group <= cq keeps the key exact)
+    k_order = torch.argsort(owner.double() * (group + 1) - owner_mass, dim=-1)  # rank -> old id
+    k_new = torch.empty_like(k_order).scatter_(-1, k_order, torch.arange(ck, device=probs.device).expand_as(k_order))
+    heaviest = probs.argmax(-1)  # [B, Hq, Cq]: old id of each query cluster's heaviest key cluster
+    anchor = k_new.repeat_interleave(group, 1).gather(-1, heaviest)
+    q_order = torch.argsort(anchor * cq + torch.arange(cq, device=probs.device), dim=-1)
+    q_new = torch.empty_like(q_order).scatter_(-1, q_order, torch.arange(cq, device=probs.device).expand_as(q_order))
+    probs = probs.gather(2, q_order[..., None].expand(-1, -1, -1, ck))
+    probs = probs.gather(3, k_order.repeat_interleave(group, 1)[:, :, None, :].expand(-1, -1, cq, -1))
+    return q_new.gather(-1, q_labels), k_new.gather(-1, k_labels), probs
+
+
+def _block_counts(labels: torch.Tensor, clusters: int, block: int) -> torch.Tensor:
+    """float [P, L / block, clusters]: tokens of each cluster in each block of a label row [P, L] (labels outside
+    [0, clusters) are not counted)."""
+    p, length = labels.shape
+    safe = torch.where((labels >= 0) & (labels < clusters), labels, clusters)
+    counts = torch.zeros(p, length // block, clusters + 1, device=labels.device, dtype=torch.float64)
+    counts.scatter_add_(-1, safe.view(p, length // block, block), torch.ones_like(safe, dtype=torch.float64)
+                        .view(p, length // block, block))
+    return counts[..., :clusters]
 
 
 @dataclass(frozen=True)
@@ -126,6 +184,7 @@ class SVG2Plan:
     cluster_map: torch.Tensor  # bool [B, Hq, Cq, Ck]
     q_sizes: torch.Tensor  # int64 [B, Hq, Cq]
     k_sizes: torch.Tensor  # int64 [B, Hq, Ck]
+    kept_mass: torch.Tensor | None = None  # float64 [B, Hq, Cq]: estimated mass of the key blocks each kept
 
     def cluster_density(self) -> float:
         """Share of (latent query, latent key) pairs Sparse-VideoGen itself would attend (its density)."""
@@ -178,9 +237,14 @@ def _index_of(slot: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch.Tensor, meta: DiTAttnMetadata,
-              block: int, pad_queries: bool | None = None) -> SVG2Plan:
+              block: int, pad_queries: bool | None = None, *, probs: torch.Tensor | None = None,
+              top_p: float = 1.0, min_ratio: float = 0.0) -> SVG2Plan:
     """Permutations and block layout from labels (q [B, Hq, N], k [B, Hkv, N]) and the cluster map.
 
+    Without `probs`, a block pair is attended when any (query cluster, key cluster) pair in it is kept
+    by `cluster_map` (covers it exactly, overshoots with small clusters). With `probs` ([B, Hq, Cq, Ck],
+    `cluster_probs()`), each query cluster keeps key blocks by the top-p budget (module docstring) and
+    `cluster_map` only feeds `cluster_density`.
     `pad_queries` None: pad query clusters to whole blocks unless that adds more than PAD_LIMIT of the sequence
     in some row (many small clusters), then pack them like the keys."""
     b, hq, n = q_labels.shape
@@ -198,9 +262,21 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
     # clusters present in each block (text is cluster cq / ck: kept by and keeping everything)
     q_member = _membership(q_labels_at, cq + 1, block).view(b, hq, -1, cq + 1)
     k_member = _membership(k_labels_at, ck + 1, block).view(b, hkv, -1, ck + 1).repeat_interleave(hq // hkv, 1)
-    full = F.pad(cluster_map, (0, 1, 0, 1), value=True)
-    rows = torch.matmul(q_member.float(), full.float())  # [B, Hq, nq, Ck + 1]: > 0 where some query keeps it
-    blocks = torch.matmul(rows, k_member.float().transpose(-1, -2)) > 0
+    kept_mass = None
+    if probs is None:
+        full = F.pad(cluster_map, (0, 1, 0, 1), value=True)
+        rows = torch.matmul(q_member.float(), full.float())  # [B, Hq, nq, Ck + 1]: > 0 where some query keeps it
+        blocks = torch.matmul(rows, k_member.float().transpose(-1, -2)) > 0
+    else:
+        counts = _block_counts(k_labels_at, ck, block).view(b, hkv, -1, ck).repeat_interleave(hq // hkv, 1)
+        per_token = probs / k_sizes.view(b, hkv, 1, ck).repeat_interleave(hq // hkv, 1).clamp(min=1)
+        mass = torch.matmul(per_token, counts.transpose(-1, -2))  # [B, Hq, Cq, nk]: each row sums to 1
+        latent_blocks = cdiv(n, block)
+        keep = top_p_keep(mass, top_p, int(min_ratio * latent_blocks))
+        kept_mass = (mass * keep).sum(-1)
+        text_keys = k_member[..., ck]  # [B, Hq, nk]: blocks holding text keys, attended by every query
+        blocks = (torch.matmul(q_member[..., :cq].float(), keep.float()) > 0) | text_keys[:, :, None, :]
+        blocks |= q_member[..., cq, None]  # text query blocks attend everything
     real = (seq - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
     k_lengths = None if length == seq else real.to(torch.int32)
     layout = layout_from_mask(blocks, block, block, length, k_lengths)
@@ -212,7 +288,7 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
         k_index=_index_of(k_slot, length).view(b, hkv, length).transpose(1, 2),
         k_slot=k_slot.view(b, hkv, -1).transpose(1, 2),
         layout=layout, cluster_map=cluster_map, q_sizes=q_sizes.view(b, hq, cq),
-        k_sizes=k_sizes.view(b, hkv, ck).repeat_interleave(hq // hkv, 1))
+        k_sizes=k_sizes.view(b, hkv, ck).repeat_interleave(hq // hkv, 1), kept_mass=kept_mass)
 
 
 def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -282,12 +358,15 @@ class SparseVideoGen2Backend(SparseDiTBackend):
         b, _, hq, d = q.shape
         hkv = k.shape[2]
         n = meta.image_tokens
-        cmap = dynamic_map(q_res.centroids.view(b, hq, -1, d), k_res.centroids.view(b, hkv, -1, d)
-                           .repeat_interleave(hq // hkv, dim=1), k_res.sizes.view(b, hkv, -1)
-                           .repeat_interleave(hq // hkv, dim=1), scale, self.svg2.top_p_kmeans,
-                           self.svg2.min_kc_ratio)
+        probs = cluster_probs(q_res.centroids.view(b, hq, -1, d), k_res.centroids.view(b, hkv, -1, d)
+                              .repeat_interleave(hq // hkv, dim=1), k_res.sizes.view(b, hkv, -1)
+                              .repeat_interleave(hq // hkv, dim=1), scale)
+        q_labels, k_labels, probs = semantic_cluster_order(q_res.labels.view(b, hq, n), k_res.labels.view(b, hkv, n),
+                                                           probs)
+        cmap = top_p_keep(probs, self.svg2.top_p_kmeans, int(self.svg2.min_kc_ratio * probs.shape[-1]))
         block = self.block or (64 if q.device.type == "cuda" else 16)
-        plan = svg2_plan(q_res.labels.view(b, hq, n), k_res.labels.view(b, hkv, n), cmap, meta, block)
+        plan = svg2_plan(q_labels, k_labels, cmap, meta, block, probs=probs, top_p=self.svg2.top_p_kmeans,
+                         min_ratio=self.svg2.min_kc_ratio)
         self.last_plan = plan
         out = self.run(permute(q, plan.q_index), permute(k, plan.k_index), permute(v, plan.k_index), plan.layout,
                        scale)
@@ -313,4 +392,5 @@ class SparseVideoGen2Backend(SparseDiTBackend):
         return q_res, k_res
 
 
-__all__ = ["SVG2Config", "SparseVideoGen2Backend", "dynamic_map", "svg2_plan"]
+__all__ = ["SVG2Config", "SparseVideoGen2Backend", "cluster_probs", "dynamic_map", "semantic_cluster_order",
+           "svg2_plan", "top_p_keep"]
