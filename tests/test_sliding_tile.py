@@ -241,3 +241,58 @@ def test_strategy_writer_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(out), "--layers", "2", "--heads", "3", "--window", "1,3"])
     assert "three integers" in capsys.readouterr().err
+
+
+def test_wan_keeps_tile_order_across_blocks_and_matches_the_per_layer_reorder(tmp_path, monkeypatch):
+    """sglx.diffusion.step_order: the hidden states and rotary tables move into tile order once before the first
+    block and back after the last; every STA layer then skips its gathers. Same output as the per-layer path."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    from diffusers import WanTransformer3DModel
+
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.attention.diffusion.metadata import dit_step
+    from sglx.attention.diffusion.sparse import sliding_tile
+    from sglx.diffusion.processors.wan import install
+
+    class PerLayer(DiffusionAttentionBackend):  # the same STA without step_order: reorders in every layer
+        def __init__(self, inner):
+            super().__init__({})
+            self.inner = inner
+
+        def forward_dense(self, q, k, v, *, scale=None):
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=16, ffn_dim=64, num_layers=3,
+                                  rope_max_seq_len=64).eval()
+    path = write_uniform_strategy(tmp_path / "sta.json", 3, 2, (1, 1, 1))
+    sta = SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "skip_time_steps": 0}, tile=(1, 2, 8),
+                                      block=16)  # 16-token tiles on 16-token blocks: a pure permutation
+    kept, per_layer = copy.deepcopy(model), copy.deepcopy(model)
+    install(kept, sta)
+    install(per_layer, PerLayer(sta))
+    meta = DiTAttnMetadata(grid=(3, 4, 16), num_heads=2, head_dim=16, num_layers=3)
+    inputs = {"hidden_states": torch.randn(1, 4, 3, 8, 32), "timestep": torch.tensor([500.0]),
+              "encoder_hidden_states": torch.randn(1, 8, 32), "return_dict": False}
+    seen = []
+    original = sliding_tile.run_block_sparse
+
+    def spy(q, k, v, layout, scale, route):
+        seen.append(sliding_tile.step_tile_order() is not None)
+        return original(q, k, v, layout, scale, route)
+
+    monkeypatch.setattr(sliding_tile, "run_block_sparse", spy)
+    with torch.no_grad(), dit_step(meta):
+        got = kept(**inputs)[0]
+        assert seen == [True] * 3 and sliding_tile.step_tile_order() is None  # every layer, and reset after
+        want = per_layer(**inputs)[0]
+        assert seen == [True] * 3 + [False] * 3
+        dense = model(**inputs)[0]
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert (got - dense).abs().max() > 1e-3  # STA 1x1x1 tiles: really sparse, not dense attention

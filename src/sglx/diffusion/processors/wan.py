@@ -17,6 +17,7 @@ from sglx.attention.diffusion.base import DiffusionAttentionBackend
 from sglx.diffusion.dit_attention import DiTAttention
 from sglx.diffusion.modulation import gate_residual, ln_modulate
 from sglx.diffusion.qk_norm_rope import norm_rope
+from sglx.diffusion.step_order import install_step_order
 
 
 class WanAttnProcessor:
@@ -107,4 +108,5 @@ def install(transformer: Any, backend: DiffusionAttentionBackend, fuse: bool = T
             attn.set_processor(WanAttnProcessor(attention))
         if fuse and isinstance(block.norm2, nn.LayerNorm | nn.Identity):
             block.forward = types.MethodType(wan_block_forward, block)
+    install_step_order(transformer, backend)  # STA: tokens stay in tile order from the first block to the last
     return len(transformer.blocks)

@@ -10,7 +10,10 @@ own. One `TileOrder` per (grid, tile, text, block) is built once and cached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -101,4 +104,22 @@ def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool =
     identity = slots == seq and bool(torch.equal(scatter, torch.arange(seq)))
     return TileOrder(grid, tile, text_tokens, text_prefix, block, gather, scatter, q_map, block_tile,
                      None if full else lengths, identity)
+
+
+_STEP_ORDER: ContextVar[TileOrder | None] = ContextVar("sglx_step_tile_order", default=None)
+
+
+def step_tile_order() -> TileOrder | None:
+    """The tile order the DiT's hidden states are already in for this forward (sglx.diffusion.step_order), if
+    any: attention inputs then arrive in that order and outputs stay in it."""
+    return _STEP_ORDER.get()
+
+
+@contextlib.contextmanager
+def tokens_in_tile_order(order: TileOrder | None) -> Iterator[None]:
+    token = _STEP_ORDER.set(order)
+    try:
+        yield
+    finally:
+        _STEP_ORDER.reset(token)
 
