@@ -143,6 +143,7 @@ def main() -> None:
     out = run_block_sparse(qs, ks, vs, p.layout, scale)
     extra = {"density": round(p.layout.density(), 4), "work_vs_dense": work(p.layout, meta.seq_len),
              "svg2_density": round(p.cluster_density(), 4),
+             "kept_mass_min": None if p.kept_mass is None else round(float(p.kept_mass.min()), 4),
              "slots": p.layout.seq_len, "route": pick_route(qs, p.layout)[0],
              "rel_err": check("svg2", qs, ks, vs, p.layout, scale, out, gen)}
     record("sparse_video_gen_2_attn default: kernel", bench(lambda: run_block_sparse(qs, ks, vs, p.layout, scale),
@@ -154,12 +155,17 @@ def main() -> None:
         return svg2.forward(q, k, v, scale=scale, meta=meta, layer=5)
 
     record("sparse_video_gen_2_attn default: warm call (2 k-means iters)", bench(warm, device), **extra)
-    base = results["runs"].get("dense cuDNN SDPA", {}).get("ms")
-    if base:
-        for run in results["runs"].values():
-            run["speedup_vs_cudnn"] = round(base / run["ms"], 2)
+    for key, label in (("dense cuDNN SDPA", "speedup_vs_cudnn"), ("dense FA4", "speedup_vs_fa4")):
+        base = results["runs"].get(key, {}).get("ms")
+        if base:
+            for run in results["runs"].values():
+                run[label] = round(base / run["ms"], 2)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    print(f"{'run':62s} {'ms':>8s} {'x cuDNN':>8s} {'x FA4':>6s} density route")
+    for name, run in results["runs"].items():
+        print(f"{name:62s} {run['ms']:8.3f} {run.get('speedup_vs_cudnn', 0):8.2f} {run.get('speedup_vs_fa4', 0):6.2f} "
+              f"{run.get('density', '')} {run.get('route', '')}")
 
 
 if __name__ == "__main__":

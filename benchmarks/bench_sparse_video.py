@@ -121,6 +121,10 @@ def case(name: str, grid, window, heads: int, dim: int, device, dtype, tile, blo
                 return run_block_sparse(a, b, c, layout, scale, r).index_select(1, scatter)
             entry["ms_with_reorder"] = bench(with_reorder, device)
         res["routes"][route] = entry
+    if time_it and device.type == "cuda" and not order.identity and order.slots == seq:  # step order applies
+        res["step_reorder"] = step_reorder(order, heads * dim, device)
+    if time_it and device.type == "cuda" and tuple(grid) == (18, 48, 80) and heads == 12:
+        res["upstream"] = upstream_sta(qp, kp, vp, outs.get("fa4", outs.get("triton")), grid, window, device)
     if len(outs) > 1:
         res["fa4_vs_triton_max_abs"] = (outs["fa4"].float() - outs["triton"].float()).abs().max().item()
     # the backend in input order (tile reordering included) against the kernel's output moved back
@@ -149,14 +153,70 @@ def case(name: str, grid, window, heads: int, dim: int, device, dtype, tile, blo
         res["dense"] = {n: bench(fn, device) for n, fn in dense_runs(q, k, v, scale, device).items()}
         base = res["dense"].get("dense cuDNN SDPA")
         if base:
+            per_layer = res.get("step_reorder", {}).get("ms_per_layer")
             for entry in res["routes"].values():
                 entry["x_cudnn"] = base / entry["ms"]
                 entry["x_cudnn_with_reorder"] = base / entry["ms_with_reorder"]
+                if per_layer is not None:  # the tile order kept across the step: its cost shared by the layers
+                    entry["ms_with_step_reorder"] = entry["ms"] + per_layer
+                    entry["x_cudnn_with_step_reorder"] = base / entry["ms_with_step_reorder"]
+            if isinstance(res.get("upstream"), dict) and "ms" in res["upstream"]:
+                res["upstream"]["x_cudnn"] = base / res["upstream"]["ms"]
                 if "backend_ms" in entry:
                     entry["x_cudnn_backend"] = base / entry["backend_ms"]
         if triton_configs:
             res["triton_sweep"] = sweep(qp, kp, vp, layout, scale, triton_configs, device)
     return res
+
+
+def step_reorder(order, width: int, device, layers: int = 30) -> dict:
+    """What keeping the tile order across a whole DiT step costs (sliding_tile's step order): the hidden states
+    [1, S, width] (bf16) and the two float32 rotary tables [1, S, 1, 128] gathered into tile order once before
+    the first block, the hidden states moved back once after the last; shared by `layers` attention layers."""
+    seq = int(order.scatter.numel())
+    gather, scatter = order.gather.to(device), order.scatter.to(device)
+    hidden = torch.randn(1, seq, width, device=device, dtype=torch.bfloat16)
+    cos, sin = (torch.randn(1, seq, 1, 128, device=device) for _ in range(2))
+
+    def once():
+        h = hidden.index_select(1, gather)
+        c, s = cos.index_select(1, gather), sin.index_select(1, gather)
+        return h.index_select(1, scatter), c, s
+    ms = bench(once, device)
+    return {"ms_per_step": ms, "layers": layers, "ms_per_layer": ms / layers, "hidden_width": width}
+
+
+def upstream_sta(qp, kp, vp, ours, grid, window, device) -> dict:
+    """FastVideo's STA (fastvideo_kernel's Triton path, where installed) on the same tile-ordered tokens: a same-run
+    anchor. It takes [B, H, S, D] in tile order (FastVideo's tile order is sglx's on these canvases: row-major
+    tiles, row-major inside a tile, no padding) and only its three canvases."""
+    try:
+        from fastvideo_kernel import sliding_tile_attention
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor here
+        return {"skipped": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    shape = "x".join(map(str, grid))
+    if shape not in ("30x48x80", "36x48x48", "18x48x80"):
+        return {"skipped": f"upstream STA takes only 30x48x80, 36x48x48 and 18x48x80; this canvas is {shape}"}
+    heads = qp.shape[2]
+    args = [t.transpose(1, 2).contiguous() for t in (qp, kp, vp)]
+    try:  # its autotuner compiles 72 configs; keep the 16 of H100-sized tiles (the run's time is limited)
+        from fastvideo_kernel.triton_kernels import st_attn_triton
+
+        tuner = st_attn_triton.triton_sta_kernel
+        tuner.configs = [c for c in tuner.configs if c.kwargs["BLOCK_Q"] in (64, 128)
+                         and c.kwargs["BLOCK_KV"] in (64, 128) and c.num_stages in (2, 3)]
+        tuned = len(tuner.configs)
+    except Exception:  # noqa: BLE001 - another layout of the package: its own autotuning as shipped
+        tuned = None
+
+    def run():
+        return sliding_tile_attention(*args, [list(window)] * heads, 0, False, shape)
+    try:
+        got = run().transpose(1, 2)
+        err = rel_err(got, ours.double()) if ours is not None else None
+        return {"ms": bench(run, device), "rel_err_vs_sglx": err, "autotune_configs": tuned}
+    except Exception as exc:  # noqa: BLE001 - upstream failing is a data point
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def layout_token_density(layout: BlockSparseLayout, order) -> float:
@@ -258,6 +318,66 @@ def step_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dic
     return res
 
 
+def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dict:
+    """One denoising step of the dummy-weight Wan2.1-1.3B at 69x768x1280 (grid 18x48x80, 69,120 tokens, one CFG
+    branch), all 30 layers STA 3x3x3 (85%): the tile order kept across the step (sglx.diffusion.step_order: one
+    reorder per step) against the same STA reordering in every layer, and dense FA4, in one run."""
+    import copy
+
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.attention.diffusion.metadata import dit_step
+    from sglx.bench.diffusion_step import StepConfig, _build, _metadata
+    from sglx.diffusion.processors.wan import install
+
+    class Switch(DiffusionAttentionBackend):  # no step_order: the wrapped backend reorders in every layer
+        inner: DiffusionAttentionBackend
+
+        def forward_dense(self, q, k, v, *, scale=None):
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    cfg = StepConfig(tiny=True, frames=5, height=64, width=256, text_tokens=8) if tiny else StepConfig(
+        frames=69, height=768, width=1280)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    window = (1, 1, 1) if tiny else window
+    model, inputs = _build(cfg, device, dtype)
+    layers, heads = cfg.model_config()["num_layers"], cfg.model_config()["num_attention_heads"]
+    meta = _metadata(model, tuple(inputs["hidden_states"].shape))
+    strategy = write_uniform_strategy(Path(os.environ.get("TMPDIR", "/tmp")) / "sta_step_order.json", layers, heads,
+                                      window)
+    sta_kw = {"tile": (1, 2, 8), "block": 16} if tiny else {}
+    sta = SlidingTileAttentionBackend({"mask_strategy_file_path": str(strategy), "skip_time_steps": 0}, **sta_kw)
+    kept = copy.deepcopy(model)
+    install(kept, sta)
+    switch = Switch()
+    install(model, switch)
+    res: dict = {"case": f"wan2.1-1.3b step {cfg.frames}x{cfg.height}x{cfg.width}", "grid": list(meta.grid),
+                 "window_tiles": list(window), "rows": {}}
+    rows = [("sglx STA, tile order kept across the step", kept, None),
+            ("sglx STA, reordered in every layer", model, sta)]
+    if fa4_modules() is not None:
+        from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
+
+        rows.append(("sglx fa (dense FA4)", model, FlashAttentionBackend(kernel=fa4_modules()[0], variant="FA4")))
+    outs = {}
+    with torch.inference_mode(), dit_step(meta):
+        for label, mod, inner in rows:
+            if inner is not None:
+                switch.inner = inner
+            try:
+                outs[label] = mod(**inputs, return_dict=False)[0]
+                res["rows"][label] = bench(lambda m=mod: m(**inputs, return_dict=False)[0], device)
+            except Exception as exc:  # noqa: BLE001 - a failing row is a data point
+                res["rows"][label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    res["route"] = sta.route
+    a, b = (outs.get(rows[i][0]) for i in (0, 1))
+    if a is not None and b is not None:
+        res["rel_l2_kept_vs_per_layer"] = rel_err(a, b.double())
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sparse_video.json")
@@ -265,6 +385,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-step", action="store_true")
+    ap.add_argument("--step-order", action="store_true", help="also the 18x48x80 Wan step with the tile order kept")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -318,6 +439,16 @@ def main() -> None:
         results["step"] = res
         Path(args.out).write_text(json.dumps(results, indent=1))
         print(json.dumps(res), flush=True)
+    if args.step_order:
+        start = time.time()
+        try:
+            res = step_order_case(device, tiny=args.tiny)
+        except Exception as exc:  # noqa: BLE001
+            res = {"case": "wan2.1-1.3b step 18x48x80", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        res["wall_s"] = round(time.time() - start, 1)
+        results["step_order"] = res
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(json.dumps(res), flush=True)
     print(json.dumps(info))
     for r in results["cases"]:
         dense = r.get("dense", {})
@@ -326,8 +457,14 @@ def main() -> None:
         for route, e in r.get("routes", {}).items():
             line.append(f"{route} err {e['rel_err_vs_f64']:.1e} {e.get('ms', 0):.2f}ms "
                         f"(+reorder {e.get('ms_with_reorder', 0):.2f}, backend {e.get('backend_ms', 0):.2f}) "
-                        f"x{e.get('x_cudnn', 0):.2f}")
+                        f"x{e.get('x_cudnn', 0):.2f} (step-order x{e.get('x_cudnn_with_step_reorder', 0):.2f})")
+        up = r.get("upstream", {})
+        if "ms" in up:
+            line.append(f"upstream STA {up['ms']:.2f}ms x{up.get('x_cudnn', 0):.2f} err {up.get('rel_err_vs_sglx')}")
         print(" | ".join(line), r.get("error", ""))
+    if "step_order" in results:
+        r = results["step_order"]
+        print(r["case"], r.get("rows"), "rel_l2", r.get("rel_l2_kept_vs_per_layer"), r.get("error", ""))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class BlockSparseConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    tma: bool = False  # K/V tiles through Hopper TMA descriptors (contiguous k/v, CUDA SM90+)
 
 
 @triton.jit
@@ -100,6 +101,61 @@ def _block_sparse_fwd(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query block with no key block gives zeros
     o_ptrs = Out + b.to(tl.int64) * stride_ob + q_rows[:, None].to(tl.int64) * stride_os + head * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _block_sparse_fwd_tma(
+    Q, K_desc, V_desc, Out, Kv_Indices, Kv_Counts, K_Lengths,
+    qk_scale, seq_len, num_heads,
+    stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_ib, stride_ih, stride_iq,
+    stride_cb, stride_ch,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+):
+    """`_block_sparse_fwd` with K/V tiles loaded by TMA from [B * S, Hkv * D] descriptors (rows past the
+    tensor read as zeros; rows of the next batch row or padding are masked like the plain kernel's)."""
+    SUBS: tl.constexpr = K_BLOCK // BLOCK_N
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // GROUP
+    m0 = pid_m * BLOCK_M
+    q_blk = m0 // Q_BLOCK
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    m_mask = offs_m < seq_len
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + offs_m[:, None].to(tl.int64) * stride_qs + head * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=m_mask[:, None], other=0.0)
+    row = Kv_Indices + b * stride_ib + head * stride_ih + q_blk * stride_iq
+    count = tl.load(Kv_Counts + b * stride_cb + head * stride_ch + q_blk)
+    row0 = b * seq_len
+    col = kv_head * D
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for it in range(0, count * SUBS):
+        kb = tl.load(row + it // SUBS)
+        sub = (it % SUBS) * BLOCK_N
+        start = kb * K_BLOCK + sub
+        k = K_desc.load([row0 + start, col])
+        v = V_desc.load([row0 + start, col])
+        qk = tl.dot(q, tl.trans(k))
+        if MASK_KEYS:
+            valid = (start + offs_n) < seq_len
+            if HAS_LENGTHS:
+                valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_os + head * stride_oh
     tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -197,6 +253,23 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     mask_keys = lengths is not None or s % layout.k_block != 0
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(s, block_m), b * hq)
+    if config.tma:
+        if q_map is not None:
+            raise SglxError("block-sparse attention's TMA variant takes q in layout order (no q_map)")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        hkv = k.shape[2]
+        k2, v2 = (t.contiguous().view(b * s, hkv * d) for t in (k, v))
+        k_desc, v_desc = (TensorDescriptor(t, [b * s, hkv * d], [hkv * d, 1], [block_n, d]) for t in (k2, v2))
+        _block_sparse_fwd_tma[grid](
+            q, k_desc, v_desc, out, idx, cnt, lengths if lengths is not None else cnt, float(scale) * LOG2E, s, hq,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            idx.stride(0) if idx.shape[0] > 1 else 0, idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2),
+            cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,
+            GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=layout.q_block, K_BLOCK=layout.k_block,
+            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, num_warps=num_warps, num_stages=num_stages,
+        )
+        return out
     _block_sparse_fwd[grid](
         q, k, v, out, idx, cnt, lengths if lengths is not None else cnt, q_map if q_map is not None else cnt,
         float(scale) * LOG2E, s, hq,

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Sparse video backends on the lent GPU in two consecutive calls (FA4's wheels are split over two carries; /tmp
+# on the machine survives while it stays warm, ~30 s after a call):
+#   PHASE=1, carry [".whl/fa/c1", ".whl/fvs"]: installs FA4's first half; GPU tests of the block-sparse kernel
+#     and the sparse backends on the Triton route; `sglx doctor --family diffusion --check` (real sparse calls);
+#     launch sweep of the Triton kernel (sweep_block_sparse.py).
+#   PHASE=2, carry [".whl/fa/c2", ".whl/fvs"]: unpacks FA4's cu13 libs; VSA/VMoBA/SVG2 vs dense cuDNN and FA4 plus
+#     upstream VSA (bench_sparse_backends.py); STA vs dense, upstream STA and the step-level reorder
+#     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; GPU tests again with FA4; tables.
+# .whl/fvs holds fastvideo-kernel 0.3.4's Python package without its compiled extension (which does not load on
+# torch 2.11: shared DEVICE.md), so upstream runs its Triton STA/VSA paths. Usage: PHASE=1 bash <this> [TAG]
+set -u
+TAG=${1:-h100}
+PHASE=${PHASE:-1}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/parts /tmp/site
+export PYTHONUNBUFFERED=1
+for d in .whl/fa/c1 .whl/fa/c2; do
+  [ -d "$d" ] && cp -n "$d"/cu13.part_* /tmp/parts/ 2>/dev/null
+done
+if [ -d .whl/fa/c1 ] && [ ! -d /tmp/site/flash_attn ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fa/c1/*.whl > /dev/null 2>&1
+fi
+if [ ! -d /tmp/site/nvidia_cutlass_dsl/lib ] && [ "$(ls /tmp/parts/cu13.part_* 2>/dev/null | wc -l)" = 3 ]; then
+  cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
+fi
+export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:.whl/fvs
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+TESTS="tests/test_block_sparse_attention.py tests/test_sliding_tile.py tests/test_sparse_backends.py"
+if [ "$PHASE" = 1 ]; then
+  timeout 45 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $TESTS > "$OUT/gpu_tests_sparse_triton_$TAG.txt" 2>&1
+  tail -4 "$OUT/gpu_tests_sparse_triton_$TAG.txt"
+  timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_$TAG.txt" 2>&1
+  grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_$TAG.txt" | head -8
+  timeout 65 python3 benchmarks/sweep_block_sparse.py --out "$OUT/sweep_block_sparse_$TAG.json" \
+    > "$OUT/sweep_block_sparse_$TAG.txt" 2>&1
+  echo "sweep rc=$?"
+  tail -4 "$OUT/sweep_block_sparse_$TAG.txt"
+  exit 0
+fi
+timeout 65 python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
+  > "$OUT/sparse_backends_$TAG.txt" 2>&1
+echo "backends bench rc=$?"
+timeout 140 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
+  --cases "18x48x80 3x3x3 (85%),18x48x80 3x3x5,hunyuan,wan1.3b-480p 3x3x3" \
+  --out "$OUT/bench_sparse_video_$TAG.json" > "$OUT/bench_sparse_video_$TAG.txt" 2>&1
+echo "video bench rc=$?"
+timeout 35 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py tests/test_sparse_backends.py \
+  > "$OUT/gpu_tests_sparse_$TAG.txt" 2>&1
+tail -3 "$OUT/gpu_tests_sparse_$TAG.txt"
+tail -7 "$OUT/bench_sparse_video_$TAG.txt"
+tail -16 "$OUT/sparse_backends_$TAG.txt"
