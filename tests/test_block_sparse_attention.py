@@ -57,7 +57,7 @@ def test_padding_keys_are_never_attended_by_the_reference():
     (1, 4, 4, 1000, 128, 128), (2, 4, 2, 777, 64, 64), (1, 3, 1, 515, 128, 64),
 ])
 def test_gpu_matches_float64(dtype, b, hq, hkv, seq, dim, block):
-    from sglx.attention.kernels.block_sparse_attention import block_sparse_attention
+    from sglx.attention.kernels.block_sparse_attention import BlockSparseConfig, block_sparse_attention
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
@@ -72,6 +72,7 @@ def test_gpu_matches_float64(dtype, b, hq, hkv, seq, dim, block):
     for k_lengths in (None, lengths):
         layout = BlockSparseLayout.from_block_mask(mask, block, block, seq, k_lengths)
         want = masked_attention(q.double(), k.double(), v.double(), layout)
-        got = block_sparse_attention(q, k, v, layout)
-        err = ((got.double() - want).norm() / want.norm()).item()
-        assert err <= 2e-2, err
+        for config in (BlockSparseConfig(), BlockSparseConfig(tma=True)):  # plain loads, and K/V through TMA
+            got = block_sparse_attention(q, k, v, layout, config=config)
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err <= 2e-2, (config, err)

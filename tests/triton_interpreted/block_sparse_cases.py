@@ -55,6 +55,16 @@ def test_matches_masked_reference_float32(b, hq, hkv, lb, lh, seq, qb, kb, dim, 
     _check(q, k, v, layout, scale=0.3, tol=1e-4, config=config)
 
 
+@pytest.mark.parametrize(("b", "hq", "hkv", "seq", "lengths"), [(2, 4, 2, 75, False), (1, 2, 1, 96, True)])
+def test_tma_variant_matches_masked_reference_float32(b, hq, hkv, seq, lengths):
+    """K/V through TMA descriptors over [B * S, Hkv * D]: rows past the tensor read as zeros, rows of the next
+    batch row (partial last block) and padding keys are masked."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(b, seq, h, 64) for h in (hq, hkv, hkv))
+    layout = random_layout(b, hq, seq, 32, 32, lengths=lengths)
+    _check(q, k, v, layout, scale=0.3, tol=1e-4, config=BlockSparseConfig(32, 16, tma=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16])  # bf16 tl.dot is wrong under the interpreter: GPU tests cover it
 def test_half_precision_within_2e2(dtype):
     torch.manual_seed(1)
