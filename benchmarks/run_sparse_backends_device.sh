@@ -6,7 +6,8 @@
 #     launch sweep of the Triton kernel (sweep_block_sparse.py).
 #   PHASE=2, carry [".whl/fa/c2", ".whl/fvs"]: unpacks FA4's cu13 libs; VSA/VMoBA/SVG2 vs dense cuDNN and FA4 plus
 #     upstream VSA (bench_sparse_backends.py); STA vs dense, upstream STA and the step-level reorder
-#     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; GPU tests again with FA4; tables.
+#     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; STA's GPU tests on the FA4
+#     route; doctor --check again (FA4 route); tables last.
 # .whl/fvs holds fastvideo-kernel 0.3.4's Python package without its compiled extension (which does not load on
 # torch 2.11: shared DEVICE.md), so upstream runs its Triton STA/VSA paths. Usage: PHASE=1 bash <this> [TAG]
 set -u
@@ -30,7 +31,7 @@ TESTS="tests/test_block_sparse_attention.py tests/test_sliding_tile.py tests/tes
 if [ "$PHASE" = 1 ]; then
   timeout 45 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $TESTS > "$OUT/gpu_tests_sparse_triton_$TAG.txt" 2>&1
   tail -4 "$OUT/gpu_tests_sparse_triton_$TAG.txt"
-  timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_$TAG.txt" 2>&1
+  COLUMNS=220 timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_$TAG.txt" 2>&1
   grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_$TAG.txt" | head -8
   timeout 65 python3 benchmarks/sweep_block_sparse.py --out "$OUT/sweep_block_sparse_$TAG.json" \
     > "$OUT/sweep_block_sparse_$TAG.txt" 2>&1
@@ -45,8 +46,10 @@ timeout 140 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step
   --cases "18x48x80 3x3x3 (85%),18x48x80 3x3x5,hunyuan,wan1.3b-480p 3x3x3" \
   --out "$OUT/bench_sparse_video_$TAG.json" > "$OUT/bench_sparse_video_$TAG.txt" 2>&1
 echo "video bench rc=$?"
-timeout 35 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py tests/test_sparse_backends.py \
-  > "$OUT/gpu_tests_sparse_$TAG.txt" 2>&1
-tail -3 "$OUT/gpu_tests_sparse_$TAG.txt"
+timeout 30 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py -k fa4 \
+  > "$OUT/gpu_tests_sparse_fa4_$TAG.txt" 2>&1
+tail -2 "$OUT/gpu_tests_sparse_fa4_$TAG.txt"
+COLUMNS=220 timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
+grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_fa4_$TAG.txt" | head -8
 tail -7 "$OUT/bench_sparse_video_$TAG.txt"
 tail -16 "$OUT/sparse_backends_$TAG.txt"
