@@ -97,6 +97,9 @@ _sglx_generate() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
+        '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
+        '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '--help[Show this message and exit.]'
@@ -135,6 +138,9 @@ _sglx_serve() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
+        '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
+        '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '--help[Show this message and exit.]'
@@ -250,6 +256,9 @@ _sglx_bench_one_batch() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
+        '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
+        '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '--help[Show this message and exit.]'

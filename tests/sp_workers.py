@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,3 +111,41 @@ def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, st
         results["sta_vs_sp1"] = float((full - single).abs().max())
         results["sta_vs_dense"] = float((full.double() - sdpa64(q, k, v)).abs().max())
     return results
+
+
+WAN_REQUEST = dict(prompt="a red circle moving right", negative_prompt="blue", height=32, width=32, num_frames=1,
+                   num_inference_steps=2, guidance_scale=4.0, seed=3)
+WAN_CLI_ARGS = ["--prompt", "a red circle moving right", "--negative-prompt", "blue", "--height", "32", "--width", "32",
+                "--num-frames", "1", "--num-inference-steps", "2", "--guidance-scale", "4.0", "--seed", "3"]
+
+
+def wan_frames(model_dir: str, device: str = "cpu", **sp_flags: int | None) -> tuple[torch.Tensor, int]:
+    """Float frames [F, H, W, 3] of the tiny Wan for WAN_REQUEST under the given sequence-parallel flags, and
+    the number of tokens the first DiT block's self-attention got on this rank."""
+    from sglx.diffusion.engine import DiffusionEngine
+    from sglx.diffusion.request import DiffusionRequest
+    from sglx.llm.engine_config import EngineConfig
+
+    config = EngineConfig(model_path=model_dir, device=device, dtype="float32", **sp_flags)
+    with DiffusionEngine(config) as engine:
+        seen: list[int] = []  # tokens entering the first block's self-attention: the shard, not the whole clip
+        hook = engine.pipeline.transformer.blocks[0].attn1.register_forward_pre_hook(
+            lambda _m, args: seen.append(int(args[0].shape[1])))
+        frames, _ = engine.pipeline.generate_tensor(engine.resolve(DiffusionRequest(**WAN_REQUEST)))
+        hook.remove()
+        return frames, seen[0]
+
+
+def wan_sp_cases(rank: int, world: int, model_dir: str, device: str, splits: list[tuple[int, int]]
+                 ) -> dict[str, Any]:
+    """Rank 0's frames for each (ulysses, ring) split (other ranks skip the VAE: empty frames); numpy, since
+    tensors would travel back through shared memory that the exiting rank takes with it."""
+    init_distributed(device=device)
+    try:
+        out = {}
+        for u, r in splits:
+            frames, tokens = wan_frames(model_dir, device, ulysses_degree=u, ring_degree=r)
+            out[f"u{u}r{r}"], out[f"u{u}r{r}_tokens"] = frames.cpu().numpy(), tokens
+        return out
+    finally:
+        destroy_distributed()

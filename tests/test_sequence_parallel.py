@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from sglx.diffusion.parallel.degrees import SPDegrees, check_devices, check_heads, check_world, resolve_degrees
 from sglx.distributed.spawn import spawn_workers
@@ -82,3 +83,80 @@ def test_sparse_backend_refuses_ring(tmp_path: Path) -> None:
     backend = sta_backend(write_sta_strategy(tmp_path / "s.json"))
     with pytest.raises(SglxError, match="ring attention merges dense partial results"):
         check_backend_for_sp(backend, SPGroups(SPDegrees(1, 2), 0, None, None, (0, 1)))
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from diffusion_test_utils import make_tiny_wan
+
+    return make_tiny_wan(tmp_path_factory.mktemp("wan_sp"))
+
+
+@pytest.fixture(scope="module")
+def wan_sp1(wan_dir: Path) -> torch.Tensor:
+    from sp_workers import wan_frames
+
+    frames, tokens = wan_frames(str(wan_dir))
+    assert tokens == 16  # 1 latent frame of 4 x 4 patches
+    assert frames.std() > 0.05  # a picture with content: equality below is not two blank pictures
+    return frames
+
+
+def test_wan_pipeline_sp2_matches_sp1(wan_dir: Path, wan_sp1: torch.Tensor) -> None:
+    """The tiny Wan (2 heads, CFG batch of 2, 2 steps) under Ulysses 2 gives SP 1's float frames; each rank's DiT
+    saw 8 of the 16 latent tokens; rank 1 skipped the VAE."""
+    from sp_workers import wan_sp_cases
+
+    ranks = spawn_workers(wan_sp_cases, 2, (str(wan_dir), "cpu", [(2, 1)]), timeout_s=300)
+    got = torch.from_numpy(ranks[0]["u2r1"])
+    assert got.shape == wan_sp1.shape and ranks[0]["u2r1_tokens"] == ranks[1]["u2r1_tokens"] == 8
+    assert (got - wan_sp1).abs().max() < 1e-4
+    assert ranks[1]["u2r1"].shape[0] == 0
+
+
+def test_generate_cli_sp2_writes_sp1_picture(wan_dir: Path, wan_sp1: torch.Tensor, tmp_path: Path,
+                                             capfd: pytest.CaptureFixture[str]) -> None:
+    """`sglx generate --sp-size 2` on CPU (ring degree 2 here: the DiT's 2 heads would allow Ulysses too): two
+    gloo ranks, rank 0 writes the file; it is SP 1's picture to one uint8 step (PNG rounding at .5 edges)."""
+    import numpy as np
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from sglx.cli.app import app
+    from sglx.diffusion.pipelines.base import to_uint8
+    from sp_workers import WAN_CLI_ARGS
+
+    out = tmp_path / "sp2.png"
+    args = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--dtype", "float32", *WAN_CLI_ARGS,
+            "--output", str(out), "--sp-size", "2", "--ring-degree", "2"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "sp 2 (ulysses 1 x ring 2)" in capfd.readouterr().err  # rank 0's header (a child process)
+    got = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    ref = to_uint8(wan_sp1)[0].astype(int)
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= 1
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--sp-size", "4", "--ulysses-degree", "2", "--ring-degree", "3"],
+     "--sp-size 4 must equal --ulysses-degree 2 x --ring-degree 3 = 6"),
+    (["--ulysses-degree", "4"], "--ulysses-degree 4 does not divide the DiT's 2 attention heads"),
+    (["--sp-size", "2", "--backend", "diffusers"], "run on sglx's own pipelines"),
+])
+def test_bad_sp_flags_are_one_line_exit_2(wan_dir: Path, tmp_path: Path, flags: list[str], needle: str) -> None:
+    from typer.testing import CliRunner
+
+    from sglx.cli.app import app
+
+    args = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--prompt", "a red circle",
+            "--output", str(tmp_path / "x.png"), "--num-frames", "1", *flags]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_llm_refuses_sp_flags() -> None:
+    from sglx.llm.engine import Engine
+
+    with pytest.raises(SglxError, match="--sp-size split a diffusion model's DiT sequence; this is an LLM"):
+        Engine(sp_size=2)

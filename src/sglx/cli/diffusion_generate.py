@@ -65,11 +65,15 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
 
     from sglx.diffusion.batch_job import OutputPlan, run_prompts
     from sglx.diffusion.engine import DiffusionEngine
+    from sglx.diffusion.parallel.launch import launch_ranks, needs_launch
     from sglx.diffusion.request import DiffusionRequest
 
     if any(not isinstance(p, str) for p in prompts):
         raise SglxError("diffusion models take text prompts; chat messages (--chat, {\"messages\"}) are for LLMs")
     plan = OutputPlan.from_flags(flags.output, flags.output_dir, len(prompts), flags.num_frames)
+    if needs_launch(config):  # --sp-size N: N processes each run this function; rank 0 prints and writes
+        launch_ranks(run_diffusion, config, prompts, flags, seed, json_output)
+        return
     requests = [DiffusionRequest(prompt=p, negative_prompt=flags.negative_prompt, height=flags.height,
                                  width=flags.width, num_frames=flags.num_frames,
                                  num_inference_steps=flags.num_inference_steps, guidance_scale=flags.guidance_scale,
@@ -77,12 +81,15 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
     console = Console(stderr=True)
     with DiffusionEngine(config, backend=flags.backend) as engine:
         info = engine.info
-        if not json_output:
+        quiet = json_output or not engine.is_driver
+        if not quiet:
             console.print(f"[sglx] {info['model_path']} ({info['pipeline']}, --backend {info['backend']}) | "
                           f"attention: {info['attention_backend']} ({info['attention_source']}) | "
-                          f"{info['device']} {info['dtype']}", highlight=False, markup=False, soft_wrap=True)
+                          f"{info['device']} {info['dtype']}"
+                          + (f" | {info['sequence_parallel']}" if info.get("sequence_parallel") else ""),
+                          highlight=False, markup=False, soft_wrap=True)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True, disable=json_output) as progress:
+        with Progress(*columns, console=console, transient=True, disable=quiet) as progress:
             for record in run_prompts(engine, requests, plan, _progress_factory(console, progress)):
                 if json_output:
                     typer.echo(json.dumps(record, ensure_ascii=False))

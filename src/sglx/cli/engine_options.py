@@ -132,6 +132,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("disable_cuda_graph", "--disable-cuda-graph", bool, False,
                "Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a "
                "decode backend that supports them, e.g. triton)."),
+    EngineFlag("sp_size", "--sp-size", int | None, None,
+               "Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on "
+               "CUDA with NCCL, gloo on CPU) = --ulysses-degree x --ring-degree. Default 1."),
+    EngineFlag("ulysses_degree", "--ulysses-degree", int | None, None,
+               "Diffusion: ranks that split the attention heads (all-to-all); must divide the heads. Default: "
+               "--sp-size when the heads divide by it."),
+    EngineFlag("ring_degree", "--ring-degree", int | None, None,
+               "Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends)."),
     EngineFlag("tp_size", "--tp-size", int, 1,
                "Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), "
                "attention heads and MLP split across them. Must divide the attention heads.",

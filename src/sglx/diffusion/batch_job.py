@@ -66,5 +66,7 @@ def run_prompts(engine: Any, requests: list[DiffusionRequest], plan: OutputPlan,
     for i, req in enumerate(requests):
         step_fn = progress(i, req.prompt) if progress is not None else None
         result = engine.generate(req, step_fn)
+        if not getattr(engine, "is_driver", True):  # sequence parallel: rank 0 writes, the other ranks only compute
+            continue
         path = write_frames(result.frames, plan.path_for(i, result), result.request.fps)
         yield result_record(result, path, engine.info)

@@ -115,6 +115,13 @@ class DiffusionEngine:
         self.backend_kind = backend
         self.index = read_model_index(path)
         self.device = resolve_device(config.device)
+        self.sp: Any = None  # SequenceParallelRuntime under --sp-size N > 1 (sglx.diffusion.parallel)
+        if backend == "sglx":
+            heads, head_dim = _transformer_attention_shape(self.index)
+            self.sp = self._sequence_parallel(heads)
+        elif any(v not in (None, 1) for v in (config.sp_size, config.ulysses_degree, config.ring_degree)):
+            raise SglxError("--sp-size/--ulysses-degree/--ring-degree run on sglx's own pipelines; drop "
+                            "--backend diffusers or the sequence-parallel flags")
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._lock = threading.Lock()
         torch.manual_seed(config.seed)
@@ -122,11 +129,14 @@ class DiffusionEngine:
             from sglx.diffusion.families import native_pipeline_class
 
             cls = native_pipeline_class(self.index)
-            heads, head_dim = _transformer_attention_shape(self.index)
             self.attention = self._select_attention(head_dim)
             attn_backend = self._make_backend(self.attention)
+            if self.sp is not None:
+                attn_backend = self.sp.wrap(attn_backend)
             self.pipeline = cls.load(self.index, self.device, self.dtype, attn_backend,
                                      _model_defaults(self.index, cls.family_defaults()))
+            if self.sp is not None:
+                self.sp.install(self.pipeline)
             self.defaults = self.pipeline.defaults
         else:
             from sglx.diffusion.diffusers_runner import DiffusersRunner
@@ -136,6 +146,23 @@ class DiffusionEngine:
                                            {})
             self.pipeline = DiffusersRunner.load(self.index, self.device, self.dtype, config.attention_backend)
             self.defaults = _model_defaults(self.index, self.pipeline.defaults)
+
+    def _sequence_parallel(self, heads: int | None) -> Any:
+        """The sequence-parallel runtime for --sp-size/--ulysses-degree/--ring-degree, or None for one rank."""
+        from sglx.diffusion.parallel.runtime import SequenceParallelRuntime, requested_degrees
+
+        degrees = requested_degrees(self.config, heads)
+        if not degrees.active:
+            return None
+        runtime = SequenceParallelRuntime.start(degrees, self.device)
+        if self.device.type == "cuda":  # one GPU per rank: the one torch.distributed set up for this rank
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        return runtime
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 under sequence parallelism (it decodes and writes); always True on one rank."""
+        return self.sp is None or self.sp.is_driver
 
     # ------------------------------------------------------------------------------------ attention choice
 
@@ -168,6 +195,8 @@ class DiffusionEngine:
     def resolve(self, request: DiffusionRequest) -> ResolvedRequest:
         req = request.resolved(self.defaults, self.config.seed)
         self.pipeline.validate(req)
+        if self.sp is not None:
+            self.sp.check_request(self.pipeline, req)
         return req
 
     def generate(self, request: DiffusionRequest, progress: ProgressFn | None = None) -> DiffusionResult:
@@ -187,6 +216,7 @@ class DiffusionEngine:
                 "backend": self.backend_kind, "attention_backend": self.attention.name,
                 "attention_source": self.attention.source, "attention_why": self.attention.why,
                 "attention_backend_config": self.attention.config, "device": str(self.device),
+                "sequence_parallel": None if self.sp is None else self.sp.degrees.describe(),
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "defaults": {f.name: getattr(self.defaults, f.name) for f in fields(self.defaults)}}
 

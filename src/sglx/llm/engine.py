@@ -40,6 +40,11 @@ class Engine:
         if config is not None and flags:
             raise SglxError("pass either an EngineConfig or keyword flags, not both")
         self.config = config or EngineConfig.from_kwargs(**flags)
+        sp = [f for f, v in (("--sp-size", self.config.sp_size), ("--ulysses-degree", self.config.ulysses_degree),
+                             ("--ring-degree", self.config.ring_degree)) if v not in (None, 1)]
+        if sp:
+            raise SglxError(f"{', '.join(sp)} split a diffusion model's DiT sequence; this is an LLM (use --tp-size "
+                            "to split an LLM across ranks)")
         from sglx.llm.allocator import TokenSlotAllocator
         from sglx.llm.scheduler import SchedulerConfig, build_scheduler
         from sglx.llm.tp_runtime import build_model_runner

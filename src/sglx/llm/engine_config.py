@@ -46,6 +46,9 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and the sampling of requests without their own seed
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph (None: 160)
     disable_cuda_graph: bool = False  # run every decode step eagerly
+    sp_size: int | None = None  # diffusion: sequence-parallel ranks = ulysses x ring (sglx.diffusion.parallel)
+    ulysses_degree: int | None = None  # diffusion: ranks splitting attention heads (all-to-all)
+    ring_degree: int | None = None  # diffusion: ranks passing key/value blocks around a ring
     tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA), see sglx.llm.tp_runtime
 
     def __post_init__(self) -> None:
@@ -66,6 +69,9 @@ class EngineConfig:
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1),
                                  ("--context-length", self.context_length, 2),
                                  ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 1),
+                                 ("--sp-size", self.sp_size, 1),
+                                 ("--ulysses-degree", self.ulysses_degree, 1),
+                                 ("--ring-degree", self.ring_degree, 1),
                                  ("--tp-size", self.tp_size, 1)):
             if value is not None and value < low:
                 problems.append(f"{flag} {value}: must be an integer >= {low}")

@@ -1,0 +1,86 @@
+"""Split a DiT's latent token sequence across the sequence-parallel ranks, and gather its output.
+
+Forward hooks on the diffusers transformer (no copy of its forward): each rank keeps chunk `rank` of the
+latent tokens, in row-major (t, h, w) order, from the patch embedding to the output projection; text tokens
+stay whole on every rank. The output projection's result is gathered, so every rank gets the whole
+prediction, runs the same scheduler step and holds the whole latents for the VAE.
+
+- Wan: rotary tables [1, S, 1, D] (`rope` output) and the tokens entering `blocks[0]` are split; cross-attention
+  reads the replicated text. Wan2.2 TI2V's per-token timesteps are not split (refused).
+- FLUX: the packed latents `hidden_states` [B, S, C] and their `img_ids` [S, 3] are split on the way in, so the
+  rotary tables are [text rows, this rank's image rows], as the joint attention expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglx.diffusion.parallel.collectives import gather_seq
+from sglx.errors import SglxError
+
+
+def _chunk(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    if x.shape[dim] % world:
+        raise SglxError(f"{x.shape[dim]} latent tokens do not split evenly over {world} sequence-parallel ranks")
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def shard_wan(transformer: Any, rank: int, world: int) -> list[Any]:
+    def rope_out(_module: Any, _args: Any, out: Any) -> Any:
+        return tuple(_chunk(t, 1, rank, world) for t in out)
+
+    def first_block_in(_module: Any, args: tuple, kwargs: dict) -> Any:
+        if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].ndim == 4:
+            raise SglxError("Wan2.2 TI2V's per-token timesteps are not split across sequence-parallel ranks; "
+                            "run this model with --sp-size 1")
+        return (_chunk(args[0], 1, rank, world), *args[1:]), kwargs
+
+    def proj_out(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return gather_seq(out, dim=1)
+
+    return [transformer.rope.register_forward_hook(rope_out),
+            transformer.blocks[0].register_forward_pre_hook(first_block_in, with_kwargs=True),
+            transformer.proj_out.register_forward_hook(proj_out)]
+
+
+def shard_flux(transformer: Any, rank: int, world: int) -> list[Any]:
+    def inputs(_module: Any, args: tuple, kwargs: dict) -> Any:
+        if args or "hidden_states" not in kwargs or "img_ids" not in kwargs:
+            raise RuntimeError("sequence-parallel FLUX expects hidden_states= and img_ids= keyword arguments")
+        img_ids = kwargs["img_ids"]
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        return args, {**kwargs, "hidden_states": _chunk(kwargs["hidden_states"], 1, rank, world),
+                      "img_ids": _chunk(img_ids, 0, rank, world)}
+
+    def proj_out(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return gather_seq(out, dim=1)
+
+    return [transformer.register_forward_pre_hook(inputs, with_kwargs=True),
+            transformer.proj_out.register_forward_hook(proj_out)]
+
+
+SHARDERS = {"wan": shard_wan, "flux": shard_flux}
+
+
+def shard_pipeline(pipeline: Any, rank: int, world: int) -> list[Any]:
+    """Install the hooks on every transformer of a native pipeline; returns their handles."""
+    sharder = SHARDERS.get(pipeline.family)
+    if sharder is None:
+        raise SglxError(f"sequence parallelism is not implemented for the {pipeline.family} family; use --sp-size 1")
+    handles = []
+    for name in ("transformer", "transformer_2"):
+        model = getattr(pipeline, name, None)
+        if model is not None:
+            handles += sharder(model, rank, world)
+    return handles
+
+
+def latent_tokens(pipeline: Any, req: Any) -> int:
+    """Latent tokens of one request's DiT sequence (what is split), before any weights run."""
+    if pipeline.family == "wan":
+        frames = ((req.num_frames - 1) // pipeline.scale_t + 1) // pipeline.patch[0]
+        return frames * (req.height // pipeline.scale_s // pipeline.patch[1]) * (
+            req.width // pipeline.scale_s // pipeline.patch[2])
+    return (req.height // pipeline.vae_scale // 2) * (req.width // pipeline.vae_scale // 2)
