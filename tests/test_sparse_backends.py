@@ -727,3 +727,28 @@ def test_backends_show_the_route_and_density_of_their_last_sparse_call():
         backend.forward(q, k, v, scale=0.3, meta=meta, layer=0)
         assert backend.route == "reference" and "cpu" in backend.route_why
         assert 0.0 < backend.last_density < 0.95
+
+
+@pytest.mark.parametrize("name", ["sliding_tile_attn", "video_sparse_attn", "vmoba_attn", "sparse_video_gen_2_attn"])
+def test_doctor_check_runs_a_real_sparse_call(name, monkeypatch):
+    """doctor --check's sparse problem: the backend with step metadata against float64 under its own plan's mask,
+    in input order; a wrong mask mapping or a kernel error shows as a large error, a dense run as an error."""
+    from sglx.attention import sparse_checks
+    from sglx.attention.registry import find
+
+    spec = find(name, "diffusion", "dit")
+    err, _, shape = sparse_checks.sparse_problem(spec, torch.device("cpu"), torch.float32, lambda d: None)
+    assert err < 1e-4 and "route reference" in shape, (err, shape)
+    low, high = (float(x) for x in shape.split("density ")[1].split(",")[0].split("-"))
+    assert 0.0 < low <= high < 1.0
+    if name == "video_sparse_attn":  # a config that leaves nothing sparse is reported, not passed
+        monkeypatch.setattr(sparse_checks, "_configs", lambda cuda: {name: ({"sparsity": 0.0}, {})})
+        with pytest.raises(RuntimeError, match="not exercised"):
+            sparse_checks.sparse_problem(spec, torch.device("cpu"), torch.float32, lambda d: None)
+    if name == "sliding_tile_attn":  # a backend whose output ignores its mask fails the comparison
+        from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend
+
+        monkeypatch.setattr(SlidingTileAttentionBackend, "forward", lambda self, q, k, v, scale=None, meta=None,
+                            layer=0: self.forward_dense(q, k, v, scale=scale))
+        err, _, _ = sparse_checks.sparse_problem(spec, torch.device("cpu"), torch.float32, lambda d: None)
+        assert err > 1e-2
