@@ -354,3 +354,21 @@ def test_trtllm_decode_block_tables_and_flashinfer_prefill(flashinfer_standin, m
     layers = [LayerSpec(0, 8, 2, 64, 0.1, sliding_window=12), LayerSpec(1, 8, 2, 64, 0.1)]
     phases = run_steps("trtllm_mha", page, "fp8_e4m3", layers, monkeypatch)
     assert phases == ["ragged", "trtllm", "paged", "paged", "trtllm"]
+
+
+def test_a_per_token_scale_pool_is_switched_to_per_layer_scales(flashinfer_standin, monkeypatch) -> None:
+    """FlashInfer applies one K and one V scale per layer: the (still empty) pool keeps static ones."""
+    import inspect
+
+    import sglx.attention.llm.flashinfer as fi_mod
+    from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+
+    if "per_token_scales" not in inspect.signature(TokenKVPool).parameters:
+        pytest.skip("this KV pool has per-layer scales only")
+    monkeypatch.setattr(fi_mod, "check_context", lambda backend, ctx: None)
+    pool = TokenKVPool(64, 16, 2, 2, 64, torch.float16, "fp8_e4m3", per_token_scales=True)
+    assert pool.per_token_scales
+    fi_mod.FlashInferBackend(BackendContext(torch.device("cpu"), torch.float16, 4, 2, 64, 16, ReqToTokenPool(2, 32),
+                                            pool))
+    assert not pool.per_token_scales and pool.k_scale == [1.0, 1.0] and pool.v_scale == [1.0, 1.0]
+    assert fi_mod.layer_scales(pool, 1) == (None, None)

@@ -13,6 +13,8 @@ Prefill, chosen per step:
   the ragged-new + paged-prefix split that SGLang runs needs two kernels and a state merge for the same
   result, and the prefix part reads the same pages either way.
 Decode: `BatchDecodeWithPagedKVCacheWrapper`, on tensor cores when that wins (GQA groups >= 4, fp8 KV).
+fp8 KV: one K and one V scale per layer, FlashInfer's contract; a pool set up for per-token scales is
+switched to static ones when the backend is built (before anything is stored).
 
 Plans are made once per step in `init_forward_metadata`, one per distinct layer kind (sliding window,
 soft cap, scale: Qwen2 / Mistral style models mix windowed and full layers); a kind is learned the first
@@ -145,13 +147,17 @@ class FlashInferBackend(AttentionBackend):
         self.fi = import_flashinfer(self.name)
         check_context(self.name, ctx)
         pool = ctx.token_kv_pool
+        if getattr(pool, "per_token_scales", False):
+            # FlashInfer and XQA apply one K and one V scale per layer (vLLM's and SGLang's fp8 contract): the pool,
+            # still empty at backend construction, keeps static scales (1.0, or a checkpoint's) instead
+            pool.set_static_scales([1.0] * pool.num_layers, [1.0] * pool.num_layers)
         self.page_size = ctx.page_size
         self.kv_dtype: torch.dtype = getattr(pool, "fp8_dtype", None) or ctx.dtype
         self.v_head_dim = getattr(pool, "v_head_dim", ctx.head_dim)
         choice = ctx.config.get("decode_tensor_cores", "auto")
         self.tensor_core_decode = (choice == "on" or choice == "auto" and use_tensor_core_decode(
             ctx.num_q_heads, ctx.num_kv_heads, self.kv_dtype))
-        # FA3 (Hopper) prefill reads q and KV of one dtype; fp8 KV with 16-bit q runs FlashInfer's FA2 template
+        # FA3 (Hopper) prefill reads q and KV of one dtype; paged prefill over fp8 KV runs FlashInfer's FA2 template
         self.prefill_backend = "fa2" if self.kv_dtype != ctx.dtype else "auto"
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.kinds: list[LayerKind] = []  # every layer kind seen so far, planned each step
@@ -197,7 +203,7 @@ class FlashInferBackend(AttentionBackend):
     def _new_wrapper(self, phase: str, graph_bs: int | None = None) -> Any:
         fi, ws = self.fi, self.workspace
         if phase == "ragged":
-            return fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+            return fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")  # this step's K/V: q's dtype, FA3 on Hopper
         if phase == "paged":
             return fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
         if graph_bs is None:
