@@ -22,7 +22,13 @@ from sglx.cli.app import app
 from sglx.distributed import WorkerError, spawn_workers
 from sglx.errors import SglxError
 from sglx.llm.engine import Engine
-from tp_workers import prompt_logits, raise_mid_run_worker, runner_config, tp_logits_worker
+from tp_workers import (
+    prompt_logits,
+    raise_mid_run_worker,
+    runner_config,
+    torchrun_style_generate,
+    tp_logits_worker,
+)
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 200, 7, 12, 64, 3], [1, 44, 45, 46, 47, 48, 302, 17, 250]]
 STEPS = 10
@@ -109,20 +115,22 @@ def test_engine_tp2_greedy_sampling_and_a_dying_rank(models: dict[str, Path],
     assert not proc.is_alive()
 
 
-def test_generate_cli_tp2_matches_hf(models: dict[str, Path],
-                                     hf_refs: dict[str, list[tuple[list[int], torch.Tensor]]]) -> None:
+def test_generate_cli_tp2_under_torchrun_env_matches_hf(models: dict[str, Path]) -> None:
+    """Both ranks run `sglx generate ... --tp 2` with torchrun's variables: rank 0 prints, rank 1 exits 0."""
+    from sglx import platform
     from sglx.llm.tokenizer import Tokenizer
 
     path = models["one_kv"]
-    tok = Tokenizer.from_dir(path)
     text = "The quick brown fox"
-    ref = hf_greedy(load_hf_model(path), tok.encode(text), 8)[0]
-    result = CliRunner().invoke(app, ["generate", "--model-path", str(path), "--prompt", text, "--max-new-tokens",
-                                      "8", "--ignore-eos", "--json", "--dtype", "float32", "--tp", "2",
-                                      "--max-total-tokens", "512"])
-    assert result.exit_code == 0, result.output
-    (record,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    ref = hf_greedy(load_hf_model(path), Tokenizer.from_dir(path).encode(text), 8)[0]
+    args = ["--model-path", str(path), "--prompt", text, "--max-new-tokens", "8", "--ignore-eos", "--json",
+            "--dtype", "float32", "--tp", "2", "--max-total-tokens", "512"]
+    (code0, out0), (code1, out1) = spawn_workers(torchrun_style_generate, 2, (args, platform.current()),
+                                                 timeout_s=180)
+    assert code0 == 0 and code1 == 0, (out0, out1)
+    (record,) = [json.loads(line) for line in out0.splitlines() if line.startswith("{")]
     assert record["output_ids"] == ref
+    assert out1.strip() == ""
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -69,3 +69,19 @@ def raise_mid_run_worker(rank: int, world_size: int) -> int:
         raise ValueError("rank 1 gave up on purpose\nsecond line not shown")
     ctx.all_reduce(t)
     return int(t.item())
+
+
+def torchrun_style_generate(rank: int, world_size: int, args: list[str], platform: object) -> tuple[int, str]:
+    """`sglx generate ARGS` in a rank started with torchrun's environment (RANK, WORLD_SIZE, MASTER_*), as
+    `torchrun --nproc-per-node 2 -m sglx generate ... --tp 2` runs it: rank 0 prints, rank 1 serves and exits.
+
+    The parent's platform snapshot stands in for rank 0's package probe (seconds of imports per process)."""
+    from typer.testing import CliRunner
+
+    import sglx.platform
+    from sglx.cli.app import app
+
+    torch.set_num_threads(1)
+    sglx.platform.current = lambda probe_packages=True: platform  # type: ignore[assignment]
+    result = CliRunner().invoke(app, ["generate", *args])
+    return result.exit_code, result.stdout

@@ -74,10 +74,14 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     from sglx.llm.model_config import load_model_config
     from sglx.llm.model_runner import ModelRunner
 
+    launched_rank = torchrun_rank(config)
     if config.tp_size == 1:
         return ModelRunner(config)
     validate_tp(config, load_model_config(config.resolved_model_path()))
-    driver = TPDriver(config)
+    if launched_rank is not None and launched_rank > 0:  # torchrun started this rank: serve rank 0, then leave
+        _worker_main(launched_rank, config.tp_size, config, None)
+        raise SystemExit(0)
+    driver = TPDriver(config, spawn=launched_rank is None)
     try:
         runner = driver.build_runner()
     except BaseException:
@@ -89,10 +93,41 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     return runner
 
 
-class TPDriver:
-    """Rank 0: starts the workers, joins the group, and sends each step to the workers before computing it."""
+def torchrun_rank(config: EngineConfig) -> int | None:
+    """This process's rank when torchrun (or any launcher setting RANK and WORLD_SIZE > 1) started it, else None.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Under such a launcher every rank runs the same command; rank 0 becomes the driver and the others serve it.
+    """
+    world, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    if world is None or rank is None or world.strip() in ("", "1"):
+        return None
+    try:
+        world_size, rank_id = int(world), int(rank)
+    except ValueError:
+        raise SglxError(f"RANK={rank!r} and WORLD_SIZE={world!r} must be integers") from None
+    if world_size != config.tp_size:
+        raise SglxError(f"this process was launched as rank {rank_id} of WORLD_SIZE={world_size} (torchrun), but "
+                        f"--tp-size is {config.tp_size}; pass --tp-size {world_size}")
+    return rank_id
+
+
+class _LauncherWorkers:
+    """The worker ranks when an outside launcher (torchrun) started them: it, not sglx, watches and ends them."""
+
+    failure: WorkerError | None = None
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        return []
+
+    def shutdown(self) -> None:
+        return None
+
+
+class TPDriver:
+    """Rank 0: starts the workers (unless torchrun did), joins the group, and sends each step to the workers
+    before computing it."""
+
+    def __init__(self, config: EngineConfig, spawn: bool = True) -> None:
         self.config = config
         self.world_size = config.tp_size
         self._failed = threading.Event()
@@ -101,20 +136,28 @@ class TPDriver:
         from sglx import platform
 
         self.platform = platform.current()  # probed once, here; the workers select from the same snapshot
-        self.workers: WorkerGroup = start_workers(_worker_main, self.world_size, (config, self.platform),
-                                                  on_failure=self._on_failure)
+        if not spawn:
+            self.workers: WorkerGroup | _LauncherWorkers = _LauncherWorkers()
+            self.ctx = init_distributed(0, self.world_size, device=_device_for(config, 0))
+            self.ctx.broadcast_object(self.platform)  # the launcher's ranks select from rank 0's snapshot
+            return
+        self.workers = start_workers(_worker_main, self.world_size, (config, self.platform),
+                                     on_failure=self._on_failure)
         self.ctx = self._join_group()
 
     # ---------------------------------------------------------------- startup
 
     def _join_group(self) -> DistContext:
         """init_distributed as rank 0, on a thread so that a worker dying first ends the wait at once."""
-        os.environ.update(self.workers.env)
+        workers = self.workers
+        assert isinstance(workers, WorkerGroup)
+        init_method = f"tcp://{workers.master_addr}:{workers.master_port}"  # this process's environment untouched
         box: list[Any] = []
 
         def join() -> None:
             try:
-                box.append(init_distributed(0, self.world_size, device=_device_for(self.config, 0)))
+                box.append(init_distributed(0, self.world_size, init_method=init_method,
+                                            device=_device_for(self.config, 0)))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 box.append(exc)
 
@@ -192,10 +235,12 @@ class TPDriver:
 
 
 def _device_for(config: EngineConfig, rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (torchrun) or cuda:rank (sglx's spawn, one machine) on CUDA, else the CPU."""
     from sglx.llm.model_runner import resolve_device
 
     device = resolve_device(config.device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local else rank) if device.type == "cuda" else device
 
 
 def _abort_group() -> None:
@@ -250,13 +295,17 @@ def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None
         return_all_logits=header["return_all_logits"])
 
 
-def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot) -> int:
-    """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends."""
+def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None) -> int:
+    """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends.
+
+    platform: rank 0's snapshot of the machine; None (torchrun) receives it from rank 0 after joining."""
     from sglx.llm.model_runner import ModelRunner
 
     if _device_for(config, rank).type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     ctx = init_distributed(rank, world_size, device=_device_for(config, rank))
+    if platform is None:
+        platform = ctx.broadcast_object(None)  # type: ignore[assignment]
     runner = ModelRunner(config, dist=ctx, platform_snapshot=platform)
     steps = 0
     with torch.inference_mode():
