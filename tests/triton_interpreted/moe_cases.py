@@ -1,6 +1,6 @@
 """sglx.llm.kernels.fused_moe (expert sort + two grouped GEMMs) vs float64 and the per-expert loop, interpreted.
 
-Runs only under TRITON_INTERPRET=1 (tests/test_fused_moe.py launches it in a child pytest). The float64
+Runs only under TRITON_INTERPRET=1 (tests/test_deepseek_kernels.py launches it in a child pytest). The float64
 reference is the MoE formula itself, sum_k w_k * W2_e (silu(W1_e x) * W3_e x); the per-expert loop is
 the path RoutedExperts takes on CPU (exact, HF's order), so the fused path must agree with it too.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
-    pytest.skip("run through tests/test_fused_moe.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+    pytest.skip("run through tests/test_deepseek_kernels.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
 
 from sglx.llm.kernels.fused_moe import fused_moe, moe_align  # noqa: E402
 from sglx.llm.layers.moe import RoutedExperts  # noqa: E402

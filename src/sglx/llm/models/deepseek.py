@@ -20,6 +20,7 @@ from torch import nn
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
+from sglx.llm.kernels import use_fused
 from sglx.llm.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.linear import Linear, linear
 from sglx.llm.layers.moe import DeepseekMoE, experts_graph_safe
@@ -78,8 +79,13 @@ class DeepseekMLAttention(nn.Module):
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = self._rotate(q_pe, cos, sin)
-        k_pe = self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
+        if use_fused(x):  # one launch, in place, bit-identical to the torch path below
+            from sglx.llm.kernels.mla_rotary import apply_mla_rotary_
+
+            apply_mla_rotary_(q_pe, k_pe, cos, sin, mla.rope_interleave)
+        else:
+            q_pe = self._rotate(q_pe, cos, sin)
+            k_pe = self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
         backend = batch.attn_backend
         if backend is None or not hasattr(backend, "forward_mla"):
             raise SglxError(f"{type(self).__name__} needs an MLA attention backend, got "

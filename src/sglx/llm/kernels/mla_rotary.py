@@ -1,0 +1,71 @@
+"""DeepSeek MLA's decoupled RoPE on q_pe (every head) and the shared k_pe, in place, in one launch.
+
+Why: the torch path (`rotate_interleaved` / `rotate_neox` in models/deepseek.py) is about seven element-wise
+kernels for q and seven for k per layer; at small decode batches each costs a few microseconds even
+inside a CUDA graph. The arithmetic repeats torch's: each product rounded to the dtype, then the sum
+(FMA contraction off), so results equal the torch path bit for bit. Interleaved pairs (x0, x1), (x2, x3)...
+come out de-interleaved ([evens', odds']) as `rotate_interleaved` writes them; q and k get the same
+permutation, so every q.k product is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglx.llm.kernels.rounding import round_to
+
+
+@triton.jit
+def _mla_rope_kernel(Q, K, Cos, Sin, n_heads, stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
+                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)  # 0: q's heads, 1: the shared k_pe
+    dt = Q.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    d_mask = offs < HALF
+    c = tl.load(Cos + t * stride_ct + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + t * stride_st + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    is_q = part == 0
+    heads_total = tl.where(is_q, n_heads, 1)
+    stride_h = tl.where(is_q, stride_qh, 0)
+    if is_q:  # noqa: SIM108 - a Triton branch on a runtime value, not a Python ternary
+        base = Q + t * stride_qt
+    else:
+        base = K + t * stride_kt
+    for h0 in range(0, heads_total, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads < heads_total)[:, None] & d_mask[None, :]
+        row = base + heads[:, None] * stride_h
+        if INTERLEAVED:
+            x1 = tl.load(row + 2 * offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + 2 * offs[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        o1 = round_to(round_to(x1 * c, dt) - round_to(x2 * s, dt), dt)
+        o2 = round_to(round_to(x2 * c, dt) + round_to(x1 * s, dt), dt)
+        tl.debug_barrier()  # every load of the row before any store (interleaved: the output positions differ)
+        tl.store(row + offs[None, :], o1.to(dt), mask=mask)
+        tl.store(row + HALF + offs[None, :], o2.to(dt), mask=mask)
+
+
+def apply_mla_rotary_(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      interleaved: bool) -> None:
+    """Rotate q_pe [T, H, D] and k_pe [T, D] in place (views with unit stride along D) by cos/sin [T, D]
+    (NeoX layout: the first half holds each frequency once)."""
+    tokens, heads, dim = q_pe.shape
+    if k_pe.shape != (tokens, dim) or cos.shape != (tokens, dim) or sin.shape != cos.shape or dim % 2:
+        raise ValueError(f"MLA rotary shapes do not fit: q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, "
+                         f"cos {tuple(cos.shape)}")
+    if any(t.stride(-1) != 1 for t in (q_pe, k_pe, cos, sin)):
+        raise ValueError("MLA rotary rotates in place and needs unit stride along the rope dim")
+    if tokens == 0:
+        return
+    half = dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
+    _mla_rope_kernel[(tokens, 2)](
+        q_pe, k_pe, cos, sin, heads, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), cos.stride(0), sin.stride(0),
+        HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False)
