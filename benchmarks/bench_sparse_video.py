@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -378,6 +379,82 @@ def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) 
     return res
 
 
+def sparse_step_case(device: torch.device, tiny: bool = False) -> dict:
+    """One denoising step of the dummy-weight Wan2.1-1.3B at 81x480x832 (grid 21x30x52, one CFG branch) with each
+    sparse backend at its default config on a late step (40 of 50: past every dense warm-up step; dense warm-up
+    layers stay dense), next to diffusers' own `native` attention and sglx's dense FA4 in the same run."""
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.attention.diffusion.metadata import dit_step
+    from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend
+    from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend
+    from sglx.attention.diffusion.sparse.vmoba import VMoBABackend
+    from sglx.bench.diffusion_step import StepConfig, _build, _metadata
+    from sglx.diffusion.processors.wan import install
+
+    class Switch(DiffusionAttentionBackend):
+        inner: DiffusionAttentionBackend
+
+        def forward_dense(self, q, k, v, *, scale=None):
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    cfg = StepConfig(tiny=True, frames=5, height=64, width=64, text_tokens=8) if tiny else StepConfig()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, inputs = _build(cfg, device, dtype)
+    layers, heads = cfg.model_config()["num_layers"], cfg.model_config()["num_attention_heads"]
+    res: dict = {"case": f"wan2.1-1.3b step {cfg.frames}x{cfg.height}x{cfg.width}, step 40 of 50", "rows": {},
+                 "density": {}}
+    outs = {}
+    with torch.inference_mode():
+        try:
+            model.set_attention_backend("native")
+            outs["diffusers native"] = model(**inputs, return_dict=False)[0]
+            res["rows"]["diffusers native"] = bench(lambda: model(**inputs, return_dict=False)[0], device)
+        except Exception as exc:  # noqa: BLE001
+            res["rows"]["diffusers native"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        model.reset_attention_backend()
+    switch = Switch()
+    install(model, switch)
+    meta = replace(_metadata(model, tuple(inputs["hidden_states"].shape)), step_index=40, num_steps=50)
+    strategy = write_uniform_strategy(Path(os.environ.get("TMPDIR", "/tmp")) / "sta_sparse_step.json", layers, heads,
+                                      (3, 3, 3))
+    inners = [("sglx sliding_tile_attn 3x3x3", SlidingTileAttentionBackend({"mask_strategy_file_path": str(strategy)})),
+              ("sglx video_sparse_attn sparsity 0.875", VideoSparseAttentionBackend({"sparsity": 0.875})),
+              ("sglx vmoba_attn default", VMoBABackend({})),
+              ("sglx sparse_video_gen_2_attn default", SparseVideoGen2Backend({}))]
+    if fa4_modules() is not None:
+        from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
+
+        inners.insert(0, ("sglx fa (dense FA4)", FlashAttentionBackend(kernel=fa4_modules()[0], variant="FA4")))
+    with torch.inference_mode(), dit_step(meta):
+        for label, inner in inners:
+            switch.inner = inner
+            try:
+                outs[label] = model(**inputs, return_dict=False)[0]  # SVG2: this call clusters (50 iterations)
+
+                def step(inner=inner):
+                    for state in getattr(getattr(inner, "state", None), "layers", {}).values():
+                        state.step = meta.step_index - 1  # as if the previous step clustered: 2 warm iterations
+                    return model(**inputs, return_dict=False)[0]
+                res["rows"][label] = bench(step, device)
+                layout = getattr(inner, "last_layout", None)
+                if layout is not None:
+                    res["density"][label] = layout.density()
+                if getattr(inner, "route", None):
+                    res.setdefault("route", {})[label] = inner.route
+            except Exception as exc:  # noqa: BLE001 - a failing row is a data point
+                res["rows"][label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    base = outs.get("diffusers native")
+    if base is not None:
+        res["rel_l2_vs_diffusers"] = {k: rel_err(v, base.double()) for k, v in outs.items()}
+    timed = {k: v for k, v in res["rows"].items() if isinstance(v, float)}
+    if isinstance(timed.get("diffusers native"), float):
+        res["over_diffusers"] = {k: v / timed["diffusers native"] for k, v in timed.items()}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sparse_video.json")
@@ -386,6 +463,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-step", action="store_true")
     ap.add_argument("--step-order", action="store_true", help="also the 18x48x80 Wan step with the tile order kept")
+    ap.add_argument("--sparse-step", action="store_true", help="also the 480p Wan step with each sparse backend")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -439,6 +517,16 @@ def main() -> None:
         results["step"] = res
         Path(args.out).write_text(json.dumps(results, indent=1))
         print(json.dumps(res), flush=True)
+    if args.sparse_step:
+        start = time.time()
+        try:
+            res = sparse_step_case(device, tiny=args.tiny)
+        except Exception as exc:  # noqa: BLE001
+            res = {"case": "wan2.1-1.3b step, sparse backends", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        res["wall_s"] = round(time.time() - start, 1)
+        results["sparse_step"] = res
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(json.dumps(res), flush=True)
     if args.step_order:
         start = time.time()
         try:
@@ -462,6 +550,10 @@ def main() -> None:
         if "ms" in up:
             line.append(f"upstream STA {up['ms']:.2f}ms x{up.get('x_cudnn', 0):.2f} err {up.get('rel_err_vs_sglx')}")
         print(" | ".join(line), r.get("error", ""))
+    if "sparse_step" in results:
+        r = results["sparse_step"]
+        print(r["case"], {k: round(v, 1) if isinstance(v, float) else v for k, v in r.get("rows", {}).items()},
+              r.get("error", ""))
     if "step_order" in results:
         r = results["step_order"]
         print(r["case"], r.get("rows"), "rel_l2", r.get("rel_l2_kept_vs_per_layer"), r.get("error", ""))

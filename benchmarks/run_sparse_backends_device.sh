@@ -6,8 +6,8 @@
 #     launch sweep of the Triton kernel (sweep_block_sparse.py).
 #   PHASE=2, carry [".whl/fa/c2", ".whl/fvs"]: unpacks FA4's cu13 libs; VSA/VMoBA/SVG2 vs dense cuDNN and FA4 plus
 #     upstream VSA (bench_sparse_backends.py); STA vs dense, upstream STA and the step-level reorder
-#     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; STA's GPU tests on the FA4
-#     route; doctor --check again (FA4 route); tables last.
+#     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; the 480p Wan step with each
+#     sparse backend; doctor --check again (FA4 route); STA's GPU tests on the FA4 route; tables last.
 # .whl/fvs holds fastvideo-kernel 0.3.4's Python package without its compiled extension (which does not load on
 # torch 2.11: shared DEVICE.md), so upstream runs its Triton STA/VSA paths. Usage: PHASE=1 bash <this> [TAG]
 set -u
@@ -39,17 +39,21 @@ if [ "$PHASE" = 1 ]; then
   tail -4 "$OUT/sweep_block_sparse_$TAG.txt"
   exit 0
 fi
-timeout 65 python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
+timeout 55 python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
   > "$OUT/sparse_backends_$TAG.txt" 2>&1
 echo "backends bench rc=$?"
-timeout 140 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
-  --cases "18x48x80 3x3x3 (85%),18x48x80 3x3x5,hunyuan,wan1.3b-480p 3x3x3" \
+timeout 100 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
+  --cases "18x48x80 3x3x3 (85%),wan1.3b-480p 3x3x3" \
   --out "$OUT/bench_sparse_video_$TAG.json" > "$OUT/bench_sparse_video_$TAG.txt" 2>&1
 echo "video bench rc=$?"
-timeout 30 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py -k fa4 \
+timeout 65 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --sparse-step --cases none \
+  --out "$OUT/bench_sparse_step_$TAG.json" > "$OUT/bench_sparse_step_$TAG.txt" 2>&1
+echo "sparse step rc=$?"
+COLUMNS=220 timeout 20 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
+grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_fa4_$TAG.txt" | head -8
+timeout 15 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py -k fa4 \
   > "$OUT/gpu_tests_sparse_fa4_$TAG.txt" 2>&1
 tail -2 "$OUT/gpu_tests_sparse_fa4_$TAG.txt"
-COLUMNS=220 timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
-grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_fa4_$TAG.txt" | head -8
-tail -7 "$OUT/bench_sparse_video_$TAG.txt"
+tail -2 "$OUT/bench_sparse_step_$TAG.txt"
+tail -5 "$OUT/bench_sparse_video_$TAG.txt"
 tail -16 "$OUT/sparse_backends_$TAG.txt"
