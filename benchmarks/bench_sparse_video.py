@@ -322,7 +322,7 @@ def step_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dic
 def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dict:
     """One denoising step of the dummy-weight Wan2.1-1.3B at 69x768x1280 (grid 18x48x80, 69,120 tokens, one CFG
     branch), all 30 layers STA 3x3x3 (85%): the tile order kept across the step (sglx.diffusion.step_order: one
-    reorder per step) against the same STA reordering in every layer, and dense FA4, in one run."""
+    reorder per step) against the same STA reordering in every layer, in one run."""
     import copy
 
     from sglx.attention.diffusion.base import DiffusionAttentionBackend
@@ -357,11 +357,7 @@ def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) 
     res: dict = {"case": f"wan2.1-1.3b step {cfg.frames}x{cfg.height}x{cfg.width}", "grid": list(meta.grid),
                  "window_tiles": list(window), "rows": {}}
     rows = [("sglx STA, tile order kept across the step", kept, None),
-            ("sglx STA, reordered in every layer", model, sta)]
-    if fa4_modules() is not None:
-        from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
-
-        rows.append(("sglx fa (dense FA4)", model, FlashAttentionBackend(kernel=fa4_modules()[0], variant="FA4")))
+            ("sglx STA, reordered in every layer", model, sta)]  # (dense rows: the 480p step, --sparse-step)
     outs = {}
     with torch.inference_mode(), dit_step(meta):
         for label, mod, inner in rows:
