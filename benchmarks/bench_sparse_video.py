@@ -215,7 +215,11 @@ def upstream_sta(qp, kp, vp, ours, grid, window, device) -> dict:
     try:
         got = run().transpose(1, 2)
         err = rel_err(got, ours.double()) if ours is not None else None
-        return {"ms": bench(run, device), "rel_err_vs_sglx": err, "autotune_configs": tuned}
+        from fastvideo_kernel import ops
+
+        path = "compiled sta_fwd (ThunderKittens)" if ops.sta_fwd is not None else "Triton"
+        return {"ms": bench(run, device), "rel_err_vs_sglx": err, "path": path,
+                "autotune_configs": tuned if ops.sta_fwd is None else None}
     except Exception as exc:  # noqa: BLE001 - upstream failing is a data point
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 

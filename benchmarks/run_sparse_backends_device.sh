@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Sparse video backends on the lent GPU in two consecutive calls (FA4's wheels are split over two carries; /tmp
 # on the machine survives while it stays warm, ~30 s after a call):
-#   PHASE=1, carry [".whl/fa/c1", ".whl/fvs"]: installs FA4's first half; GPU tests of the block-sparse kernel
+#   PHASE=1, carry [".whl/fa/c1", ".whl/fvs", ".whl/fvx"]: installs FA4's first half; GPU tests of the block-sparse kernel
 #     and the sparse backends on the Triton route; `sglx doctor --family diffusion --check` (real sparse calls);
 #     launch sweep of the Triton kernel (sweep_block_sparse.py).
 #   PHASE=2, carry [".whl/fa/c2", ".whl/fvs"]: unpacks FA4's cu13 libs; VSA/VMoBA/SVG2 vs dense cuDNN and FA4 plus
 #     upstream VSA (bench_sparse_backends.py); STA vs dense, upstream STA and the step-level reorder
 #     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; the 480p Wan step with each
 #     sparse backend; doctor --check again (FA4 route); STA's GPU tests on the FA4 route; tables last.
-# .whl/fvs holds fastvideo-kernel 0.3.4's Python package without its compiled extension (which does not load on
-# torch 2.11: shared DEVICE.md), so upstream runs its Triton STA/VSA paths. Usage: PHASE=1 bash <this> [TAG]
+# .whl/fvs holds fastvideo-kernel 0.3.4's Python package, .whl/fvx its compiled extension (xz) and cudart (the
+# wheel's bundled libcuda, 96 MB, is replaced by the machine's). Usage: PHASE=1 bash <this> [TAG]
 set -u
 TAG=${1:-h100}
 PHASE=${PHASE:-1}
@@ -25,7 +25,24 @@ fi
 if [ ! -d /tmp/site/nvidia_cutlass_dsl/lib ] && [ "$(ls /tmp/parts/cu13.part_* 2>/dev/null | wc -l)" = 3 ]; then
   cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
 fi
-export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:.whl/fvs
+# fastvideo-kernel: its Python package (.whl/fvs) plus, carried in phase 1 (.whl/fvx), its compiled extension
+# and bundled cudart, with the machine's libcuda under the bundled name. Used only if the extension imports in a
+# separate process; otherwise the Python package alone (upstream then runs its Triton paths).
+if [ -d .whl/fvx ] && [ ! -d /tmp/fvk ]; then
+  mkdir -p /tmp/fvk_try/fastvideo_kernel.libs && cp -r .whl/fvs/fastvideo_kernel /tmp/fvk_try/
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    .whl/fvx/fastvideo_kernel_ops.so.xz /tmp/fvk_try/fastvideo_kernel/_C/fastvideo_kernel_ops.cpython-312-x86_64-linux-gnu.so
+  cp .whl/fvx/libcudart-* /tmp/fvk_try/fastvideo_kernel.libs/
+  ln -sf "$(ldconfig -p | grep -m1 'libcuda.so.1 ' | awk '{print $NF}')" /tmp/fvk_try/fastvideo_kernel.libs/libcuda-dcdf334a.so.580.178.04
+  if PYTHONPATH=/tmp/fvk_try timeout 60 python3 -c "import torch; from fastvideo_kernel._C import fastvideo_kernel_ops as o; print('fastvideo_kernel compiled ops:', [n for n in ('sta_fwd', 'block_sparse_fwd') if hasattr(o, n)])" > /tmp/fvk_try.log 2>&1; then
+    mv /tmp/fvk_try /tmp/fvk
+  fi
+  tail -2 /tmp/fvk_try.log
+fi
+FV=.whl/fvs
+[ -d /tmp/fvk ] && FV=/tmp/fvk
+export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$FV
+echo "fastvideo_kernel from $FV"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 TESTS="tests/test_block_sparse_attention.py tests/test_sliding_tile.py tests/test_sparse_backends.py"
 if [ "$PHASE" = 1 ]; then
