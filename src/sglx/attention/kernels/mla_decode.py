@@ -46,6 +46,14 @@ def head_blocks(heads: int, config: MLADecodeConfig = MLADecodeConfig()) -> int:
 
 
 @triton.jit
+def _dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b as one MMA chain (the accumulator stays in the MMA registers: no separate add)."""
+    if IEEE:
+        return tl.dot(a, b, acc=acc, input_precision="ieee")
+    return tl.dot(a, b, acc=acc)
+
+
+@triton.jit
 def _mla_decode_stage1(
     Q, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
     qk_scale, v_scale, max_splits, min_chunk,
@@ -83,9 +91,9 @@ def _mla_decode_stage1(
             c = kv_tile_to_compute(c, FMT, False, q_lat.dtype)
             k_pe = tl.load(rows + R + offs_p[:, None], mask=n_mask[None, :] & p_mask[:, None], other=0.0)
             k_pe = kv_tile_to_compute(k_pe, FMT, False, q_lat.dtype)
-            qk = dot(q_lat, c, IEEE) + dot(q_pe, k_pe, IEEE)
+            qk = _dot_acc(q_pe, k_pe, dot(q_lat, c, IEEE), IEEE)  # one accumulator for both parts
             p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale, 0.0, True, False)
-            acc = acc * alpha[:, None] + dot(p.to(c.dtype), tl.trans(c), IEEE)
+            acc = _dot_acc(p.to(c.dtype), tl.trans(c), acc * alpha[:, None], IEEE)
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale
