@@ -71,12 +71,20 @@ class DistContext:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's `tensor` (same shape on all ranks) along `dim`, in rank order."""
+        """Concatenate every rank's `tensor` (same shape on all ranks) along `dim`, in rank order (one collective)."""
         if not self.active:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts, dim=dim)
+        tensor = tensor.contiguous()
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        out = torch.empty((self.world_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        _all_gather_single(out, tensor)  # rank-major along dim 0 (the layout gloo and NCCL both take)
+        dim = dim % tensor.dim()
+        if dim == 0:
+            return out
+        out = out.reshape(self.world_size, *tensor.shape)
+        return out.movedim(0, dim).flatten(dim, dim + 1)  # [.., ranks, d_dim, ..] -> [.., ranks * d_dim, ..]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` on every rank with rank `src`'s values (in place) and return it."""
@@ -99,6 +107,12 @@ class DistContext:
                 dist.barrier(device_ids=[self.device.index or 0])
             else:
                 dist.barrier()
+
+
+def _all_gather_single(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """all_gather_single (torch >= 2.12) or its older name all_gather_into_tensor: one collective into `out`."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, tensor)
 
 
 def _env_int(name: str) -> int | None:

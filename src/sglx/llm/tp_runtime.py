@@ -227,7 +227,7 @@ class TPDriver:
         self._closed = True
         if getattr(self, "ctx", None) is not None and self.workers.failure is None:
             with contextlib.suppress(Exception):
-                self.ctx.broadcast_object(None)
+                _broadcast_stop(self.ctx)
                 self.workers.wait(30.0)
         self.workers.shutdown()
         with contextlib.suppress(Exception):
@@ -256,43 +256,50 @@ def _abort_group() -> None:
 # -------------------------------------------------------------------- the step on the wire
 
 
+_MODES = list(ForwardMode)
+_HEADER = 5  # mode, tokens, batch size, row width, return_all_logits
+STOP = -1  # the mode value that tells workers to leave
+
+
 def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
+    """Two broadcasts per step: a fixed-size header, then every integer the step needs in one int64 buffer."""
     table = batch.req_to_token_pool.req_to_token
-    width = max(batch.seq_lens_cpu, default=0)
-    header = {"mode": batch.mode.value, "tokens": batch.num_tokens, "width": width,
-              "seq_lens": batch.seq_lens_cpu, "extend_seq_lens": batch.extend_seq_lens_cpu,
-              "extend_prefix_lens": batch.extend_prefix_lens_cpu, "return_all_logits": batch.return_all_logits}
-    ctx.broadcast_object(header)
-    rows = table[batch.req_pool_indices.to(table.device), :width].to(torch.int64)
-    ctx.broadcast(_pack(batch, rows, ctx.device))
+    bs, width = batch.batch_size, max(batch.seq_lens_cpu, default=0)
+    header = [_MODES.index(batch.mode), batch.num_tokens, bs, width, int(batch.return_all_logits)]
+    ctx.broadcast(torch.tensor(header, dtype=torch.int64, device=ctx.device))
+    rows = table[batch.req_pool_indices.to(table.device), :width]
+    lens = batch.extend_seq_lens_cpu or [0] * bs
+    prefix = batch.extend_prefix_lens_cpu or [0] * bs
+    parts = [batch.input_ids, batch.positions, batch.req_pool_indices, batch.out_cache_loc,
+             torch.tensor([*batch.seq_lens_cpu, *lens, *prefix], dtype=torch.int64), rows.reshape(-1)]
+    ctx.broadcast(torch.cat([p.to(device=ctx.device, dtype=torch.int64) for p in parts]))
 
 
-def _pack(batch: ForwardBatch, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    parts = [batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
-             rows.reshape(-1)]
-    return torch.cat([p.to(device=device, dtype=torch.int64) for p in parts])
+def _broadcast_stop(ctx: DistContext) -> None:
+    ctx.broadcast(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=ctx.device))
 
 
 def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None:
-    header = ctx.broadcast_object(None)
-    if header is None:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=ctx.device)
+    ctx.broadcast(header)
+    mode, t, bs, width, all_logits = header.tolist()
+    if mode == STOP:
         return None
-    t, width, lens = header["tokens"], header["width"], header["seq_lens"]
-    bs = len(lens)
-    buf = torch.empty(3 * t + 2 * bs + bs * width, dtype=torch.int64, device=ctx.device)
+    buf = torch.empty(3 * t + 4 * bs + bs * width, dtype=torch.int64, device=ctx.device)
     ctx.broadcast(buf)
-    input_ids, positions, req_idx, seq_lens, out_loc, rows = buf.split([t, t, bs, bs, t, bs * width])
+    input_ids, positions, req_idx, out_loc, lens, rows = buf.split([t, t, bs, t, 3 * bs, bs * width])
+    seq_lens, extend_lens, prefix_lens = (x.tolist() for x in lens.cpu().split(bs))
     table = runner.req_to_token_pool.req_to_token
     if width:
         table[req_idx.to(table.device), :width] = rows.reshape(bs, width).to(table.device, table.dtype)
-    device = runner.device
+    device, fmode = runner.device, _MODES[mode]
     return ForwardBatch(
-        mode=ForwardMode(header["mode"]), input_ids=input_ids.to(device), positions=positions.to(device),
-        req_pool_indices=req_idx.to(device), seq_lens=seq_lens.to(device), out_cache_loc=out_loc.to(device),
-        req_to_token_pool=runner.req_to_token_pool, token_kv_pool=runner.token_kv_pool,
-        seq_lens_cpu=list(lens), extend_seq_lens_cpu=list(header["extend_seq_lens"]),
-        extend_prefix_lens_cpu=list(header["extend_prefix_lens"]),
-        return_all_logits=header["return_all_logits"])
+        mode=fmode, input_ids=input_ids.to(device), positions=positions.to(device),
+        req_pool_indices=req_idx.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        out_cache_loc=out_loc.to(device), req_to_token_pool=runner.req_to_token_pool,
+        token_kv_pool=runner.token_kv_pool, seq_lens_cpu=seq_lens,
+        extend_seq_lens_cpu=extend_lens if fmode.is_extend else [],
+        extend_prefix_lens_cpu=prefix_lens if fmode.is_extend else [], return_all_logits=bool(all_logits))
 
 
 def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None) -> int:
