@@ -67,7 +67,7 @@ def sweep(name, tensors, layout, configs, device, save=None) -> dict:
     scale = q.shape[-1] ** -0.5
     rows = torch.randperm(layout.seq_len, device=device)[:256].sort().values
     want = sampled_reference(q, k, v, layout, rows, scale)
-    default = (*_launch(BlockSparseConfig(), layout, q.shape[-1], q.device), BlockSparseConfig().tma)
+    default = _launch(BlockSparseConfig(), layout, q.shape[-1], q.device)
     res = {"case": name, "density": layout.density(), "default": list(default), "runs": []}
     for cfg in [default] + [c for c in configs if c != default]:
         entry = {"block_m": cfg[0], "block_n": cfg[1], "warps": cfg[2], "stages": cfg[3], "tma": cfg[4],

@@ -31,7 +31,7 @@ class BlockSparseConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    tma: bool = False  # K/V tiles through Hopper TMA descriptors (contiguous k/v, CUDA SM90+)
+    tma: bool | None = None  # K/V tiles through TMA descriptors (CUDA SM90+); None: the device's default
 
 
 @triton.jit
@@ -168,7 +168,9 @@ def _largest_divisor_tile(block: int, cap: int) -> int:
 
 
 def _launch(config: BlockSparseConfig, layout: BlockSparseLayout, head_dim: int, device: torch.device
-            ) -> tuple[int, int, int, int]:
+            ) -> tuple[int, int, int, int, bool]:
+    """(block_m, block_n, num_warps, num_stages, tma) for this call: the config's fields, else the defaults."""
+    tma = False
     if interpreted() or device.type != "cuda":
         cap_m, cap_n, warps, stages = 32, 32, 1, 1
     elif torch.version.hip:  # 64 KB LDS: small tiles, no multi-stage buffering (not measured)
@@ -182,7 +184,8 @@ def _launch(config: BlockSparseConfig, layout: BlockSparseLayout, head_dim: int,
         cap_m, cap_n, warps, stages = (128, 64, 8, 2) if head_dim == 128 else (128, 64, 4, 3)
     block_m = config.block_m or _largest_divisor_tile(layout.q_block, cap_m)
     block_n = config.block_n or _largest_divisor_tile(layout.k_block, cap_n)
-    return block_m, block_n, config.num_warps or warps, config.num_stages or stages
+    return (block_m, block_n, config.num_warps or warps, config.num_stages or stages,
+            tma if config.tma is None else config.tma)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
@@ -244,7 +247,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     out = torch.empty_like(q) if out is None else out
     if s == 0 or b == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _launch(config, layout, d, q.device)
+    block_m, block_n, num_warps, num_stages, tma = _launch(config, layout, d, q.device)
     if layout.q_block % block_m or layout.k_block % block_n:
         raise SglxError(f"kernel tiles {block_m}x{block_n} must divide the layout's blocks "
                         f"{layout.q_block}x{layout.k_block}")
@@ -253,9 +256,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     mask_keys = lengths is not None or s % layout.k_block != 0
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(s, block_m), b * hq)
-    if config.tma:
-        if q_map is not None:
-            raise SglxError("block-sparse attention's TMA variant takes q in layout order (no q_map)")
+    if tma and q_map is None:  # (q_map calls keep the plain kernel)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         hkv = k.shape[2]
