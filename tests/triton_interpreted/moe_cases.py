@@ -70,6 +70,26 @@ def test_fused_moe_float16_within_rounding():
     assert (got.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_adds_the_shared_output_after_rounding_the_sum(dtype):
+    """add= (the shared experts' output) joins the top-k sum: rounded where `routed.to(dtype) + shared` rounds."""
+    x, w13, w2, weights, ids = _case(6, 8, 2, 32, 16, seed=5)
+    shared = torch.randn(6, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x16, w13_16, w2_16 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    if dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16: compare the epilogue alone
+        from sglx.llm.kernels import fused_moe as fm
+
+        y = torch.randn(12, 32, generator=torch.Generator().manual_seed(2))
+        out = torch.empty(6, 32, dtype=dtype)
+        fm._moe_sum_kernel[(6, 1)](y, shared, out, 2, 32, y.stride(0), shared.stride(0), out.stride(0),
+                                   HAS_ADD=True, BLOCK=32)
+        assert torch.equal(out, y.view(6, 2, 32).sum(1).to(dtype) + shared)
+        return
+    got = fused_moe(x16, w13_16, w2_16, weights, ids, interpret=True, add=shared)
+    plain = fused_moe(x16, w13_16, w2_16, weights, ids, interpret=True)
+    assert torch.equal(got, plain + shared)
+
+
 def test_align_sorts_pairs_stably_into_one_expert_blocks():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
     sorted_ids, block_expert, block_rows = moe_align(ids, 4, 16)
@@ -95,9 +115,9 @@ def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeyp
 
     calls = []
 
-    def fused(self, x, weights, ids):
+    def fused(self, x, weights, ids, add=None):
         calls.append(x.shape[0])
-        return self.forward_fused(x, weights, ids)
+        return self.forward_fused(x, weights, ids, add)
 
     monkeypatch.setattr(RoutedExperts, "forward", fused)
     path = make_tiny_model(tmp_path, "deepseek_v3")

@@ -5,7 +5,8 @@ small batches it is launch-bound too. Here a whole layer is four launches with n
 capture it): (1) one program sorts the (token, choice) pairs by expert into blocks of BLOCK_M rows
 (each block belongs to one expert, padded rows masked), (2) gate/up GEMM with SiLU(gate) * up fused,
 one program per (block, column tile), each reading only its expert's weight tile, (3) down GEMM times
-the routing weight, written per pair in float32, (4) the sum over a token's top-k choices. The sort
+the routing weight, written per pair in float32, (4) the sum over a token's top-k choices, cast to the
+model dtype, plus (optionally) the shared experts' output. The sort
 is stable, so a token's rows are in pair order; the sum runs in float32 (HF adds in the model dtype).
 Like SGLang's fused_moe (moe_align_block_size + fused_moe_kernel), written here for sglx's layouts:
 w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import dot
+from sglx.llm.kernels.rounding import round_to
 
 
 @triton.jit
@@ -101,6 +103,24 @@ def _moe_gemm_kernel(A, W, C, Sorted_Ids, Block_Expert, Block_Rows, Routed_W,
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_sum_kernel(Y, Add, Out, top_k, hidden, stride_y, stride_add, stride_out, HAS_ADD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Out[t] = dtype(sum_k Y[t * top_k + k]) (+ Add[t], rounded again): the top-k sum, the cast and the shared
+    experts' add in one pass, rounding where the unfused torch code rounds."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, top_k):
+        acc += tl.load(Y + (t * top_k + k) * stride_y + offs, mask=mask, other=0.0)
+    dt = Out.dtype.element_ty
+    out = round_to(acc, dt)
+    if HAS_ADD:
+        out = round_to(out + tl.load(Add + t * stride_add + offs, mask=mask, other=0.0).to(tl.float32), dt)
+    tl.store(Out + t * stride_out + offs, out.to(dt), mask=mask)
+
+
 def _tiles(num_pairs: int, interpret: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks for decode (each expert gets few
     rows; many column tiles keep every SM reading weights), bigger ones once experts get many rows."""
@@ -127,15 +147,16 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              interpret: bool = False) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]."""
+              interpret: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]
+    (+ `add` [T, H], e.g. the shared experts' output, added after the sum is rounded to x's dtype)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, two_i, _ = w13.shape
     inter_size = two_i // 2
     pairs = tokens * top_k
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
     block_m, block_n, block_k, warps, stages = _tiles(pairs, interpret)
     sorted_ids, block_expert, block_rows = moe_align(ids, experts, block_m)
@@ -155,4 +176,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         FUSE_SILU=False, ROUTED=True, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
-    return y.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = torch.empty_like(x)
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden)) if not interpret else min(64, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, add if add is not None else y, out, top_k, hidden, y.stride(0), add.stride(0) if add is not None else 0,
+        out.stride(0), HAS_ADD=add is not None, BLOCK=block, num_warps=4 if not interpret else 1)
+    return out

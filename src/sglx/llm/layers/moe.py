@@ -49,10 +49,14 @@ def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
     if cfg.topk_method == "noaux_tc":
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return _scaled(weights, cfg.routed_scaling_factor), ids
     if k > 1 and cfg.norm_topk_prob:
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-    return weights * cfg.routed_scaling_factor, ids
+    return _scaled(weights, cfg.routed_scaling_factor), ids
+
+
+def _scaled(weights: torch.Tensor, factor: float) -> torch.Tensor:
+    return weights if factor == 1.0 else weights * factor  # x * 1.0 == x: one kernel less per layer
 
 
 def _group_mask(group_scores: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
@@ -88,20 +92,25 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> sum_k weights * expert_ids(x) [T, H]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> sum_k weights * expert_ids(x) [T, H] (+ add, after the sum)."""
         if fused_moe_applies(x.device):
-            return self.forward_fused(x, weights, ids)
+            return self.forward_fused(x, weights, ids, add)
         aligned = x.shape[-1] % 8 == 0 and self.intermediate_size % 8 == 0  # 16-byte rows for the fast path
         if aligned and grouped_gemm_graph_safe(x.dtype, x.device):
-            return self.forward_grouped(x, weights, ids)
-        return self.forward_loop(x, weights, ids)
+            out = self.forward_grouped(x, weights, ids)
+        else:
+            out = self.forward_loop(x, weights, ids)
+        return out if add is None else out + add
 
-    def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted)."""
+    def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      add: torch.Tensor | None = None) -> torch.Tensor:
+        """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
+        `add` joins in the kernel that sums the top-k outputs."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu")
+        return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
@@ -153,7 +162,5 @@ class DeepseekMoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight.float())
         bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, ids = select_experts(logits, self.cfg, bias.float() if bias is not None else None)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, weights, ids, add=shared)
