@@ -117,35 +117,57 @@ WAN_REQUEST = dict(prompt="a red circle moving right", negative_prompt="blue", h
                    num_inference_steps=2, guidance_scale=4.0, seed=3)
 WAN_CLI_ARGS = ["--prompt", "a red circle moving right", "--negative-prompt", "blue", "--height", "32", "--width", "32",
                 "--num-frames", "1", "--num-inference-steps", "2", "--guidance-scale", "4.0", "--seed", "3"]
+FLUX_REQUEST = dict(prompt="a green square on black", height=32, width=48, num_inference_steps=2, seed=4)
 
 
-def wan_frames(model_dir: str, device: str = "cpu", **sp_flags: int | None) -> tuple[torch.Tensor, int]:
-    """Float frames [F, H, W, 3] of the tiny Wan for WAN_REQUEST under the given sequence-parallel flags, and
-    the number of tokens the first DiT block's self-attention got on this rank."""
+def model_frames(model_dir: str, request: dict[str, Any], device: str = "cpu", **sp_flags: int | None
+                 ) -> tuple[torch.Tensor, int]:
+    """Float frames [F, H, W, 3] for `request` under the given sequence-parallel flags, and the number of latent
+    tokens the first DiT block's attention got on this rank (Wan: its self-attention; FLUX: the image stream)."""
     from sglx.diffusion.engine import DiffusionEngine
     from sglx.diffusion.request import DiffusionRequest
     from sglx.llm.engine_config import EngineConfig
 
     config = EngineConfig(model_path=model_dir, device=device, dtype="float32", **sp_flags)
     with DiffusionEngine(config) as engine:
-        seen: list[int] = []  # tokens entering the first block's self-attention: the shard, not the whole clip
-        hook = engine.pipeline.transformer.blocks[0].attn1.register_forward_pre_hook(
-            lambda _m, args: seen.append(int(args[0].shape[1])))
-        frames, _ = engine.pipeline.generate_tensor(engine.resolve(DiffusionRequest(**WAN_REQUEST)))
+        seen: list[int] = []  # the shard, not the whole sequence
+        model = engine.pipeline.transformer
+        attn = model.blocks[0].attn1 if hasattr(model, "blocks") else model.transformer_blocks[0].attn
+        hook = attn.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(int((args[0] if args else kwargs["hidden_states"]).shape[1])),
+            with_kwargs=True)
+        frames, _ = engine.pipeline.generate_tensor(engine.resolve(DiffusionRequest(**request)))
         hook.remove()
         return frames, seen[0]
 
 
-def wan_sp_cases(rank: int, world: int, model_dir: str, device: str, splits: list[tuple[int, int]]
-                 ) -> dict[str, Any]:
-    """Rank 0's frames for each (ulysses, ring) split (other ranks skip the VAE: empty frames); numpy, since
-    tensors would travel back through shared memory that the exiting rank takes with it."""
+def pipeline_sp_cases(rank: int, world: int, cases: list[tuple[str, str, dict[str, Any], int, int]], device: str,
+                      cli_args: list[str] | None = None) -> dict[str, Any]:
+    """Per named case (model dir, request, ulysses, ring): rank 0's frames (other ranks skip the VAE: empty) and
+    the tokens this rank's DiT saw; numpy, since tensors would travel back through shared memory that the
+    exiting rank takes with it. Then `sglx generate cli_args` in this rank, as under torchrun: the exit code."""
     init_distributed(device=device)
     try:
-        out = {}
-        for u, r in splits:
-            frames, tokens = wan_frames(model_dir, device, ulysses_degree=u, ring_degree=r)
-            out[f"u{u}r{r}"], out[f"u{u}r{r}_tokens"] = frames.cpu().numpy(), tokens
+        out: dict[str, Any] = {}
+        for name, model_dir, request, u, r in cases:
+            frames, tokens = model_frames(model_dir, request, device, ulysses_degree=u, ring_degree=r)
+            out[name], out[name + "_tokens"] = frames.cpu().numpy(), tokens
+        if cli_args is not None:
+            from typer.testing import CliRunner
+
+            from sglx.cli.app import app
+
+            res = CliRunner().invoke(app, cli_args)
+            out["cli_exit"], out["cli_output"] = res.exit_code, res.output
         return out
     finally:
         destroy_distributed()
+
+
+def probe_job(config: Any, folder: str) -> None:
+    """A job for launch_ranks: each rank writes who it is (rank, world, backend) to a file of its own."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "world": dist.get_world_size(), "backend": dist.get_backend(), "sp": config.sp_size}))

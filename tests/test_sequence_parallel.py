@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -89,52 +90,74 @@ def test_sparse_backend_refuses_ring(tmp_path: Path) -> None:
 def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffusion_test_utils import make_tiny_wan
 
-    return make_tiny_wan(tmp_path_factory.mktemp("wan_sp"))
+    return _short_text(make_tiny_wan(tmp_path_factory.mktemp("wan_sp")))
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from diffusion_test_utils import make_tiny_flux
+
+    return _short_text(make_tiny_flux(tmp_path_factory.mktemp("flux_sp")))
+
+
+def _short_text(path: Path) -> Path:
+    """16 text tokens instead of 512 (the model's sglx.json defaults): the same code paths, a fraction of the time."""
+    (path / "sglx.json").write_text(json.dumps({"defaults": {"max_sequence_length": 16}}))
+    return path
 
 
 @pytest.fixture(scope="module")
 def wan_sp1(wan_dir: Path) -> torch.Tensor:
-    from sp_workers import wan_frames
+    from sp_workers import WAN_REQUEST, model_frames
 
-    frames, tokens = wan_frames(str(wan_dir))
+    frames, tokens = model_frames(str(wan_dir), WAN_REQUEST)
     assert tokens == 16  # 1 latent frame of 4 x 4 patches
     assert frames.std() > 0.05  # a picture with content: equality below is not two blank pictures
     return frames
 
 
-def test_wan_pipeline_sp2_matches_sp1(wan_dir: Path, wan_sp1: torch.Tensor) -> None:
-    """The tiny Wan (2 heads, CFG batch of 2, 2 steps) under Ulysses 2 gives SP 1's float frames; each rank's DiT
-    saw 8 of the 16 latent tokens; rank 1 skipped the VAE."""
-    from sp_workers import wan_sp_cases
-
-    ranks = spawn_workers(wan_sp_cases, 2, (str(wan_dir), "cpu", [(2, 1)]), timeout_s=300)
-    got = torch.from_numpy(ranks[0]["u2r1"])
-    assert got.shape == wan_sp1.shape and ranks[0]["u2r1_tokens"] == ranks[1]["u2r1_tokens"] == 8
-    assert (got - wan_sp1).abs().max() < 1e-4
-    assert ranks[1]["u2r1"].shape[0] == 0
-
-
-def test_generate_cli_sp2_writes_sp1_picture(wan_dir: Path, wan_sp1: torch.Tensor, tmp_path: Path,
-                                             capfd: pytest.CaptureFixture[str]) -> None:
-    """`sglx generate --sp-size 2` on CPU (ring degree 2 here: the DiT's 2 heads would allow Ulysses too): two
-    gloo ranks, rank 0 writes the file; it is SP 1's picture to one uint8 step (PNG rounding at .5 edges)."""
+def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.Tensor, tmp_path: Path) -> None:
+    """Tiny Wan (2 heads, CFG batch of 2) and tiny FLUX.1-dev (joint text prefix, 6 image tokens) under Ulysses 2
+    give SP 1's float frames; each rank's DiT saw half the latent tokens; rank 1 skipped the VAE. Then in the
+    same 2 ranks, as under torchrun, `sglx generate --sp-size 2 --ring-degree 2` (Wan, ring attention): rank 0
+    writes SP 1's picture (to one uint8 step: PNG rounding at .5 edges) and prints the split; rank 1 is silent."""
     import numpy as np
     from PIL import Image
-    from typer.testing import CliRunner
 
-    from sglx.cli.app import app
     from sglx.diffusion.pipelines.base import to_uint8
-    from sp_workers import WAN_CLI_ARGS
+    from sp_workers import FLUX_REQUEST, WAN_CLI_ARGS, WAN_REQUEST, model_frames, pipeline_sp_cases
 
+    flux_sp1, flux_tokens = model_frames(str(flux_dir), FLUX_REQUEST)
+    assert flux_tokens == 6 and flux_sp1.std() > 0.01
+    cases = [("wan_u2", str(wan_dir), WAN_REQUEST, 2, 1), ("flux_u2", str(flux_dir), FLUX_REQUEST, 2, 1)]
     out = tmp_path / "sp2.png"
-    args = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--dtype", "float32", *WAN_CLI_ARGS,
-            "--output", str(out), "--sp-size", "2", "--ring-degree", "2"]
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 0, res.output
-    assert "sp 2 (ulysses 1 x ring 2)" in capfd.readouterr().err  # rank 0's header (a child process)
-    got = np.asarray(Image.open(out).convert("RGB")).astype(int)
-    ref = to_uint8(wan_sp1)[0].astype(int)
-    assert got.shape == ref.shape and np.abs(got - ref).max() <= 1
+    cli = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--dtype", "float32", *WAN_CLI_ARGS,
+           "--output", str(out), "--sp-size", "2", "--ring-degree", "2"]
+    ranks = spawn_workers(pipeline_sp_cases, 2, (cases, "cpu", cli), timeout_s=300)
+    for name, ref, tokens in (("wan_u2", wan_sp1, 8), ("flux_u2", flux_sp1, 3)):
+        got = torch.from_numpy(ranks[0][name])
+        assert got.shape == ref.shape and ranks[0][name + "_tokens"] == ranks[1][name + "_tokens"] == tokens, name
+        assert (got - ref).abs().max() < 1e-4, (name, float((got - ref).abs().max()))
+        assert ranks[1][name].shape[0] == 0
+    assert ranks[0]["cli_exit"] == ranks[1]["cli_exit"] == 0, ranks[0]["cli_output"]
+    assert "sp 2 (ulysses 1 x ring 2)" in ranks[0]["cli_output"] and ranks[1]["cli_output"] == ""
+    got_png = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    ref_png = to_uint8(wan_sp1)[0].astype(int)
+    assert got_png.shape == ref_png.shape and np.abs(got_png - ref_png).max() <= 1
+
+
+def test_launch_ranks_spawns_one_process_per_rank(wan_dir: Path, tmp_path: Path) -> None:
+    """`sglx generate --sp-size 2` without torchrun: launch_ranks starts 2 gloo ranks that each run the job."""
+    from sglx.diffusion.parallel.launch import launch_ranks, needs_launch
+    from sglx.llm.engine_config import EngineConfig
+    from sp_workers import probe_job
+
+    config = EngineConfig(model_path=str(wan_dir), device="cpu", sp_size=2)
+    assert needs_launch(config) and not needs_launch(EngineConfig(model_path=str(wan_dir), sp_size=1))
+    launch_ranks(probe_job, config, str(tmp_path))
+    seen = sorted(json.loads(p.read_text())["rank"] for p in tmp_path.glob("rank*.json"))
+    assert seen == [0, 1]
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"rank": 1, "world": 2, "backend": "gloo", "sp": 2}
 
 
 @pytest.mark.parametrize(("flags", "needle"), [

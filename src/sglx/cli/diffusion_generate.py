@@ -72,7 +72,7 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
         raise SglxError("diffusion models take text prompts; chat messages (--chat, {\"messages\"}) are for LLMs")
     plan = OutputPlan.from_flags(flags.output, flags.output_dir, len(prompts), flags.num_frames)
     if needs_launch(config):  # --sp-size N: N processes each run this function; rank 0 prints and writes
-        launch_ranks(run_diffusion, config, prompts, flags, seed, json_output)
+        launch_ranks(run_diffusion, config, prompts, flags, seed, json_output, backend=flags.backend)
         return
     requests = [DiffusionRequest(prompt=p, negative_prompt=flags.negative_prompt, height=flags.height,
                                  width=flags.width, num_frames=flags.num_frames,

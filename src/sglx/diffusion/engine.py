@@ -119,9 +119,10 @@ class DiffusionEngine:
         if backend == "sglx":
             heads, head_dim = _transformer_attention_shape(self.index)
             self.sp = self._sequence_parallel(heads)
-        elif any(v not in (None, 1) for v in (config.sp_size, config.ulysses_degree, config.ring_degree)):
-            raise SglxError("--sp-size/--ulysses-degree/--ring-degree run on sglx's own pipelines; drop "
-                            "--backend diffusers or the sequence-parallel flags")
+        else:
+            from sglx.diffusion.parallel.runtime import check_native_backend
+
+            check_native_backend(config, backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._lock = threading.Lock()
         torch.manual_seed(config.seed)

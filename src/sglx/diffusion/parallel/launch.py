@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from sglx.diffusion.parallel.degrees import check_devices
-from sglx.diffusion.parallel.runtime import requested_degrees
+from sglx.diffusion.parallel.runtime import check_native_backend, requested_degrees
 
 
 def needs_launch(config: Any) -> bool:
@@ -36,11 +36,12 @@ def _heads(model_path: str | None) -> int | None:
     return cfg.get("num_attention_heads")
 
 
-def launch_ranks(job: Callable[..., Any], config: Any, *args: Any) -> None:
+def launch_ranks(job: Callable[..., Any], config: Any, *args: Any, backend: str = "sglx") -> None:
     """Run `job(config, *args)` in every rank of the requested split; raise the first failure as one line."""
     from sglx.diffusion.engine import resolve_device
     from sglx.distributed.spawn import spawn_workers
 
+    check_native_backend(config, backend)
     degrees = requested_degrees(config, _heads(config.model_path))
     device = resolve_device(config.device)
     if device.type == "cuda":

@@ -22,6 +22,14 @@ from sglx.diffusion.parallel.groups import SPGroups, sp_groups
 from sglx.errors import SglxError
 
 
+def check_native_backend(config: Any, backend: str) -> None:
+    """Sequence parallelism lives in sglx's own pipelines, not in diffusers' (`--backend diffusers`)."""
+    if backend != "sglx" and any(v not in (None, 1) for v in (config.sp_size, config.ulysses_degree,
+                                                              config.ring_degree)):
+        raise SglxError("--sp-size/--ulysses-degree/--ring-degree run on sglx's own pipelines; drop "
+                        "--backend diffusers or the sequence-parallel flags")
+
+
 def requested_degrees(config: Any, heads: int | None) -> SPDegrees:
     """The split asked for by the engine flags (SPDegrees(1, 1) when none is given)."""
     return resolve_degrees(config.sp_size, config.ulysses_degree, config.ring_degree, heads)
