@@ -36,8 +36,10 @@ def evaluate(engine: DiffusionEngine, steps: int | None, guidance: float | None,
                      "right": task.score(spec, j, res.frames.shape[0])})
     moving = [v for r in rows if r["frames"] > 1 for v in r["right"].values()]
     still = [v for r in rows if r["frames"] == 1 for v in r["right"].values()]
+    per_attribute = {a: sum(r["right"][a] for r in rows if r["frames"] > 1) for a in ("colour", "shape", "direction")}
     return {"steps": steps, "guidance": guidance, "moving_acc": sum(moving) / len(moving),
-            "still_acc": sum(still) / len(still), "median_s": statistics.median(seconds), "rows": rows}
+            "moving_right": per_attribute, "still_acc": sum(still) / len(still),
+            "median_s": statistics.median(seconds), "rows": rows}
 
 
 def main() -> None:
@@ -66,6 +68,7 @@ def main() -> None:
             results.append(r)
             print(f"steps {n or engine.defaults.num_inference_steps:3d} guidance "
                   f"{g if g is not None else engine.defaults.guidance_scale:4.1f}  moving {r['moving_acc']:.3f}  "
+                  f"({', '.join(f'{a} {n}/48' for a, n in r['moving_right'].items())})  "
                   f"still {r['still_acc']:.3f}  median {r['median_s']:.2f} s/clip  [{engine.attention.name}]",
                   flush=True)
     if args.json:

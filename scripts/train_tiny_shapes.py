@@ -37,6 +37,7 @@ import importlib.util
 import json
 import math
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -97,6 +98,41 @@ def load_models(folder: Path):  # noqa: ANN201
             WanTransformer3DModel.from_pretrained(str(folder / "transformer")),
             FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler")),
             PreTrainedTokenizerFast.from_pretrained(str(folder / "tokenizer")))
+
+
+def grow_transformer(transformer, num_layers: int):  # noqa: ANN001, ANN201
+    """A deeper copy of a trained WanTransformer3DModel that computes exactly what it computes.
+
+    Why: a resumed run keeps its trained blocks and gains capacity without starting over. The new
+    blocks sit evenly between the trained ones with their three residual outputs (self-attention,
+    cross-attention and FFN output projections) zeroed, so each starts as the identity and training
+    grows it from there."""
+    from diffusers import WanTransformer3DModel
+
+    old = len(transformer.blocks)
+    extra = num_layers - old
+    if extra <= 0:
+        return transformer
+    cfg = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
+    grown = WanTransformer3DModel.from_config({**cfg, "num_layers": num_layers})
+    after = {round((k + 1) * old / (extra + 1)) for k in range(extra)}  # insert a new block after these
+    order: list[int | None] = []
+    for i in range(old):
+        if i in after:
+            order.append(None)
+        order.append(i)
+    order += [None] * (num_layers - len(order))
+    state = {k: v for k, v in transformer.state_dict().items() if not k.startswith("blocks.")}
+    missing, _ = grown.load_state_dict(state, strict=False)
+    assert all(k.startswith("blocks.") for k in missing), missing
+    for block, src in zip(grown.blocks, order):
+        if src is not None:
+            block.load_state_dict(transformer.blocks[src].state_dict())
+            continue
+        for linear in (block.attn1.to_out[0], block.attn2.to_out[0], block.ffn.net[2]):
+            torch.nn.init.zeros_(linear.weight)
+            torch.nn.init.zeros_(linear.bias)
+    return grown
 
 
 # -------------------------------------------------------------------------------------------- data
@@ -239,8 +275,8 @@ def encode_dataset(vae, args, device: torch.device) -> tuple[torch.Tensor, list]
     rng = np.random.default_rng(args.seed + 2)
     specs = random_specs(rng, args.clips, 0.15)
     out = []
-    for i in range(0, len(specs), 256):
-        x = render_batch(specs[i:i + 256], rng, task.NUM_FRAMES).to(device)
+    for i in range(0, len(specs), args.encode_batch):
+        x = render_batch(specs[i:i + args.encode_batch], rng, task.NUM_FRAMES).to(device)
         out.append(vae._encode(x)[:, :Z_DIM].float())
     return torch.cat(out), specs
 
@@ -258,20 +294,23 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.devic
 
 
 def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs: list, args,  # noqa: ANN001
-              device: torch.device, log) -> tuple[dict, torch.nn.ModuleDict]:  # noqa: ANN001
+              device: torch.device, log, checkpoint=None) -> tuple[dict, torch.nn.ModuleDict]:  # noqa: ANN001
+    """Flow matching on the encoded latents; `checkpoint(ema, step)` is called every
+    args.checkpoint_seconds, so a run cut short still leaves weights behind."""
     rng = np.random.default_rng(args.seed + 3)
     gen = torch.Generator(device).manual_seed(args.seed + 4)
     models = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder}).train()
     ema = copy.deepcopy(models).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(models.parameters(), lr=args.dit_lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(models.parameters(), lr=args.dit_lr, weight_decay=0.01, fused=device.type == "cuda")
     motion_idx = np.array([i for i, s in enumerate(specs) if s.direction is not None])
     still_idx = np.array([i for i, s in enumerate(specs) if s.direction is None])
     t0, step, losses = time.time(), 0, []
+    last_checkpoint = t0
     for step in range(1, args.dit_steps + 1):
         lr = args.dit_lr * schedule(step, 300, max(step / args.dit_steps, (time.time() - t0) / args.dit_seconds))
         for g in opt.param_groups:
             g["lr"] = lr
-        one_frame = step % 4 == 0
+        one_frame = step % args.image_every == 0
         if one_frame:  # an image: the first frame of any clip, under its own or its still prompt
             idx = rng.integers(len(specs), size=args.batch * 2)
             x0 = latents[torch.as_tensor(idx, device=device), :, :1]
@@ -284,7 +323,9 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
             prompts = [specs[i].prompt for i in idx]
         prompts = ["" if rng.random() < args.text_dropout else p for p in prompts]
         b = x0.shape[0]
-        u = torch.rand(b, device=device, generator=gen)
+        # stratified: one draw in each of b equal bins, so every batch covers all noise levels
+        perm = torch.rand(b, device=device, generator=gen).argsort()
+        u = (perm + torch.rand(b, device=device, generator=gen)) / b
         sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
         noise = torch.randn(x0.shape, device=device, generator=gen)
         s = sigma.view(b, 1, 1, 1, 1)
@@ -307,6 +348,10 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         if time.time() - t0 > args.dit_seconds:
             log(f"dit: time limit after {step} steps")
             break
+        due = args.checkpoint_seconds > 0 and time.time() - last_checkpoint > args.checkpoint_seconds
+        if checkpoint is not None and due:
+            checkpoint(ema, step)
+            last_checkpoint = time.time()
     info = {"dit_steps_run": step, "dit_loss": float(np.mean(losses[-200:])), "dit_seconds": time.time() - t0}
     return info, ema
 
@@ -322,6 +367,21 @@ def portable_tokenizer(folder: Path) -> None:
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def save_folder(out: Path, tokenizer, ema, vae, scheduler, info: dict) -> None:  # noqa: ANN001
+    """The model folder: a diffusers WanPipeline directory (float32 copies on the CPU) plus sglx.json."""
+    from diffusers import WanPipeline
+
+    def cpu(m):  # noqa: ANN001, ANN202
+        return copy.deepcopy(m).float().cpu()
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=cpu(ema["text_encoder"]), vae=cpu(vae),
+                       transformer=cpu(ema["transformer"]), scheduler=scheduler)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    portable_tokenizer(out)
+    (out / "sglx.json").write_text(json.dumps({"defaults": DEFAULTS}, indent=2) + "\n")
+    (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def main() -> None:
@@ -351,9 +411,14 @@ def main() -> None:
     p.add_argument("--finetune-steps", type=int, default=2000)
     p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--finetune-seconds", type=float, default=0.0, help="decoder fine-tune time (with --resume)")
+    p.add_argument("--grow-layers", type=int, default=0, help="with --resume: deepen the DiT to this many blocks, "
+                   "new blocks inserted as the identity (zeroed residual outputs) between the trained ones")
+    p.add_argument("--encode-batch", type=int, default=256, help="clips per VAE encode batch")
+    p.add_argument("--checkpoint-dir", default="", help="save the EMA model here every --checkpoint-seconds")
+    p.add_argument("--checkpoint-seconds", type=float, default=0.0)
+    p.add_argument("--checkpoint-tar", default="", help="also pack each checkpoint into this tar file")
+    p.add_argument("--image-every", type=int, default=4, help="every n-th DiT step is a one-frame (picture) batch")
     args = p.parse_args()
-
-    from diffusers import WanPipeline
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -374,6 +439,9 @@ def main() -> None:
         text_encoder, vae, transformer, scheduler, tokenizer = load_models(Path(args.resume))
         previous = Path(args.resume) / "train_info.json"
         info["resumed_from"] = json.loads(previous.read_text()) if previous.is_file() else {}
+        if args.grow_layers:
+            log(f"transformer: {len(transformer.blocks)} -> {args.grow_layers} blocks")
+            transformer = grow_transformer(transformer, args.grow_layers)
     else:
         tokenizer = word_tokenizer.build_word_tokenizer(task.WORDS)
         text_encoder, vae, transformer, scheduler = build_models(len(tokenizer))
@@ -398,16 +466,22 @@ def main() -> None:
     info["encode_seconds"] = time.time() - t
     log(f"encoded {len(specs)} clips in {info['encode_seconds']:.0f}s; latent std {std.mean():.3f}")
 
-    dit_info, ema = train_dit(transformer, text_encoder, tokenizer, latents, specs, args, device, log)
+    def checkpoint(ema, step: int) -> None:  # noqa: ANN001
+        folder = Path(args.checkpoint_dir)
+        save_folder(folder, tokenizer, ema, vae, scheduler, {**info, "checkpoint_dit_step": step})
+        if args.checkpoint_tar:  # written aside, then renamed: a reader never sees half a tar
+            partial = Path(args.checkpoint_tar + ".partial")
+            with tarfile.open(partial, "w") as tar:
+                tar.add(folder, arcname=folder.name)
+            partial.replace(args.checkpoint_tar)
+        log(f"checkpoint at dit step {step} -> {folder}")
+
+    dit_info, ema = train_dit(transformer, text_encoder, tokenizer, latents, specs, args, device, log,
+                              checkpoint if args.checkpoint_dir else None)
     info.update(dit_info)
     info["total_seconds"] = time.time() - t_start
 
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=ema["text_encoder"].float().cpu(), vae=vae.float().cpu(),
-                       transformer=ema["transformer"].float().cpu(), scheduler=scheduler)
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    portable_tokenizer(out)
-    (out / "sglx.json").write_text(json.dumps({"defaults": DEFAULTS}, indent=2) + "\n")
-    (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    save_folder(out, tokenizer, ema, vae, scheduler, info)
     log(f"saved {out} ({info['total_seconds']:.0f}s)")
 
 
