@@ -75,19 +75,20 @@ def _unshard(out: torch.Tensor, meta: DiTAttnMetadata) -> tuple[torch.Tensor, to
 
 
 def attention_cases(rank: int, world: int, splits: list[tuple[int, int]], device: str,
-                    strategy: str | None = None) -> dict[str, dict[str, float]]:
+                    strategy: str | None = None, dtype: str = "float32") -> dict[str, dict[str, float]]:
     """Per (ulysses, ring) split: every case's max |SP output - reference| and the text-row spread across ranks."""
+    torch.set_num_threads(1)  # tiny shapes; several ranks share the CPU cores
     ctx = init_distributed(device=device)
     try:
-        return {f"u{u}r{r}": _cases(rank, world, u, r, ctx.device, strategy) for u, r in splits}
+        return {f"u{u}r{r}": _cases(rank, world, u, r, ctx.device, strategy, getattr(torch, dtype))
+                for u, r in splits}
     finally:
         destroy_distributed()
 
 
-def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, strategy: str | None
-           ) -> dict[str, float]:
+def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, strategy: str | None,
+           dtype: torch.dtype) -> dict[str, float]:
     groups = sp_groups(SPDegrees(ulysses, ring))
-    dtype = torch.float32
     results: dict[str, float] = {}
     cases = [("dense", 0, "none", HEADS), ("prefix_text", 6, "prefix", HEADS), ("suffix_text", 5, "suffix", HEADS),
              ("gqa", 0, "none", 2), ("gqa_kv1_text", 3, "prefix", 1)]
@@ -146,6 +147,7 @@ def pipeline_sp_cases(rank: int, world: int, cases: list[tuple[str, str, dict[st
     """Per named case (model dir, request, ulysses, ring): rank 0's frames (other ranks skip the VAE: empty) and
     the tokens this rank's DiT saw; numpy, since tensors would travel back through shared memory that the
     exiting rank takes with it. Then `sglx generate cli_args` in this rank, as under torchrun: the exit code."""
+    torch.set_num_threads(1)
     init_distributed(device=device)
     try:
         out: dict[str, Any] = {}
