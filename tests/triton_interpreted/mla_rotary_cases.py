@@ -39,3 +39,56 @@ def test_mla_rotary_equals_the_torch_path(interleaved, dtype, tokens, heads, dim
     untouched[..., nope:] = False
     assert torch.equal(q.view(tokens, heads, -1)[untouched], q_before.view(tokens, heads, -1)[untouched])
     assert torch.equal(kv[:, :latent], kv_before[:, :latent])
+
+
+@pytest.mark.parametrize("kv_cache_dtype,scale", [("auto", 1.0), ("fp8_e4m3", 1.0), ("fp8_e4m3", 0.37)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_rotary_store_writes_what_set_latent_writes(kv_cache_dtype, scale, dtype):
+    """store=: each token's [c_kv, rotated k_pe] lands in its slot exactly as MLATokenKVPool.set_latent puts it."""
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+    tokens, heads, dim, latent = 3, 4, 16, 40
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(tokens, heads, 8 + dim, generator=gen).to(dtype)
+    kv = torch.randn(tokens, latent + dim, generator=gen).to(dtype)
+    c_kv = torch.randn(tokens, latent, generator=gen).to(dtype)  # the normalized latent (a separate tensor)
+    cos, sin = RotaryEmbedding(dim, 10000.0, None, 512).cos_sin(torch.tensor([3, 9, 100]), dtype)
+    slots = torch.tensor([5, 2, 11])
+    pools = [MLATokenKVPool(16, 1, 1, latent, dim, dtype, kv_cache_dtype) for _ in range(2)]
+    for pool in pools:
+        pool.kv_scale[0] = scale
+    k_pe = kv[:, latent:]
+    want_k = rotate_interleaved(k_pe[:, None, :], cos, sin)[:, 0]
+    pools[0].set_latent(0, slots, c_kv, want_k)
+    apply_mla_rotary_(q[..., 8:], k_pe, cos, sin, True,
+                      (c_kv, pools[1].kv_buffer[0], slots, pools[1].kv_scale[0], pools[1].fp8_dtype))
+    assert torch.equal(k_pe, want_k)
+    assert torch.equal(pools[1].kv_buffer[0], pools[0].kv_buffer[0])
+
+
+def test_tiny_deepseek_with_the_fused_rotary_and_store_matches_transformers(tmp_path, monkeypatch):
+    """The model's GPU path for RoPE (q_pe and k_pe rotated in place, the latent row stored by the same kernel,
+    the backend's own store skipped), here interpreted: logits and greedy tokens equal transformers'."""
+    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from sglx.attention.llm.mla_base import MLAAttentionBackend
+    from sglx.llm.models import deepseek, load_model
+
+    monkeypatch.setattr(deepseek, "use_fused", lambda t: True)
+    stores = []
+    monkeypatch.setattr(MLAAttentionBackend, "save_latent", staticmethod(lambda *a: stores.append(1)))
+    path = make_tiny_model(tmp_path, "deepseek_v3")
+    model, _ = load_model(path, torch.float32, "cpu")
+    hf = load_hf_model(path)
+    prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
+    harness = PagedKVHarness(model, page_size=4, max_requests=2, max_context=64)
+    row = harness.new_request()
+    logits = harness.extend([(row, prompt)], return_all_logits=True)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
+    tokens, ref = hf_greedy(hf, prompt, 5)
+    got = [int(logits[-1].argmax())]
+    for step in range(1, 5):
+        step_logits = harness.decode([(row, got[-1])])[0]
+        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
+        got.append(int(step_logits.argmax()))
+    assert got == tokens and not stores  # every latent row came from the rotary kernel

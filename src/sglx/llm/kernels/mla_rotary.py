@@ -5,7 +5,9 @@ kernels for q and seven for k per layer; at small decode batches each costs a fe
 inside a CUDA graph. The arithmetic repeats torch's: each product rounded to the dtype, then the sum
 (FMA contraction off), so results equal the torch path bit for bit. Interleaved pairs (x0, x1), (x2, x3)...
 come out de-interleaved ([evens', odds']) as `rotate_interleaved` writes them; q and k get the same
-permutation, so every q.k product is unchanged.
+permutation, so every q.k product is unchanged. With `store`, the program that rotates k_pe also writes
+this step's latent row [c_kv, rotated k_pe] to its slot of the MLA pool (encoded as `set_latent` does),
+so the attention backend skips its own store (two index_put launches per layer).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from sglx.attention.kernels.common import encode_for_pool, kv_format
 from sglx.llm.kernels.rounding import round_to
 
 
 @triton.jit
 def _mla_rope_kernel(Q, K, Cos, Sin, n_heads, stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
-                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+                     C_Kv, Buf, Loc, scale, stride_ct_kv, stride_buf,
+                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+                     STORE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: q's heads, 1: the shared k_pe
     dt = Q.dtype.element_ty
@@ -49,12 +54,26 @@ def _mla_rope_kernel(Q, K, Cos, Sin, n_heads, stride_qt, stride_qh, stride_kt, s
         tl.debug_barrier()  # every load of the row before any store (interleaved: the output positions differ)
         tl.store(row + offs[None, :], o1.to(dt), mask=mask)
         tl.store(row + HALF + offs[None, :], o2.to(dt), mask=mask)
+        if STORE:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if not is_q:  # this token's latent row [c_kv, k_pe] to its pool slot
+                dst = Buf + tl.load(Loc + t).to(tl.int64) * stride_buf
+                bt = Buf.dtype.element_ty
+                rope = dst + R + heads[:, None] * 0 + offs[None, :]  # k's one row (the other rows are masked)
+                tl.store(rope, encode_for_pool(o1, scale, FMT, bt), mask=mask)
+                tl.store(rope + HALF, encode_for_pool(o2, scale, FMT, bt), mask=mask)
+                for r0 in range(0, R, BLOCK_R):
+                    offs_r = r0 + tl.arange(0, BLOCK_R)
+                    c = tl.load(C_Kv + t * stride_ct_kv + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
+                    tl.store(dst + offs_r, encode_for_pool(c, scale, FMT, bt), mask=offs_r < R)
 
 
 def apply_mla_rotary_(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      interleaved: bool) -> None:
+                      interleaved: bool, store: tuple | None = None) -> None:
     """Rotate q_pe [T, H, D] and k_pe [T, D] in place (views with unit stride along D) by cos/sin [T, D]
-    (NeoX layout: the first half holds each frequency once)."""
+    (NeoX layout: the first half holds each frequency once).
+
+    store = (c_kv [T, R], layer buffer [slots, 1, R + D], slots [T], scale, fp8 dtype or None): also write each
+    token's [c_kv, rotated k_pe] to its slot, as MLATokenKVPool.set_latent would."""
     tokens, heads, dim = q_pe.shape
     if k_pe.shape != (tokens, dim) or cos.shape != (tokens, dim) or sin.shape != cos.shape or dim % 2:
         raise ValueError(f"MLA rotary shapes do not fit: q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, "
@@ -66,6 +85,19 @@ def apply_mla_rotary_(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
     half = dim // 2
     block_d = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
+    if store is None:
+        c_kv, buf, loc, scale, fmt, r = k_pe, k_pe, k_pe, 1.0, 0, 0
+        strides = (0, 0)
+    else:
+        c_kv, buf, loc, scale, fp8_dtype = store
+        r = c_kv.shape[-1]
+        if c_kv.shape[0] != tokens or loc.shape[0] != tokens or buf.shape[-1] != r + dim or c_kv.stride(-1) != 1:
+            raise ValueError(f"latent store does not fit: c_kv {tuple(c_kv.shape)}, buffer {tuple(buf.shape)}, "
+                             f"slots {tuple(loc.shape)}, rope dim {dim}")
+        fmt = kv_format(fp8_dtype)
+        strides = (c_kv.stride(0), buf.stride(0))
     _mla_rope_kernel[(tokens, 2)](
         q_pe, k_pe, cos, sin, heads, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), cos.stride(0), sin.stride(0),
-        HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False)
+        c_kv, buf, loc, float(scale), *strides,
+        HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, INTERLEAVED=interleaved, STORE=store is not None, R=r,
+        BLOCK_R=min(512, triton.next_power_of_2(max(r, 16))), FMT=fmt, num_warps=4, enable_fp_fusion=False)

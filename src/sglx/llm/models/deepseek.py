@@ -24,6 +24,7 @@ from sglx.llm.kernels import use_fused
 from sglx.llm.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.linear import Linear, linear
 from sglx.llm.layers.moe import DeepseekMoE, experts_graph_safe
+from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -79,10 +80,17 @@ class DeepseekMLAttention(nn.Module):
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        if use_fused(x):  # one launch, in place, bit-identical to the torch path below
+        stored = False
+        if use_fused(x):  # one launch, in place, bit-identical to the torch path below; stores the latent row
             from sglx.llm.kernels.mla_rotary import apply_mla_rotary_
 
-            apply_mla_rotary_(q_pe, k_pe, cos, sin, mla.rope_interleave)
+            pool = batch.token_kv_pool
+            store = None
+            if isinstance(pool, MLATokenKVPool):  # what every MLA backend's save_latent would write
+                store = (c_kv, pool.kv_buffer[spec.layer_id], batch.out_cache_loc, pool.kv_scale[spec.layer_id],
+                         pool.fp8_dtype)
+            apply_mla_rotary_(q_pe, k_pe, cos, sin, mla.rope_interleave, store)
+            stored = store is not None
         else:
             q_pe = self._rotate(q_pe, cos, sin)
             k_pe = self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
@@ -91,7 +99,7 @@ class DeepseekMLAttention(nn.Module):
             raise SglxError(f"{type(self).__name__} needs an MLA attention backend, got "
                             f"{getattr(backend, 'name', None)!r}")
         proj = MLAProjections.from_kv_b_proj(self.kv_b_proj.weight, spec)
-        out = backend.forward_mla(q_nope, q_pe, c_kv, k_pe, spec, proj, batch)
+        out = backend.forward_mla(q_nope, q_pe, c_kv, k_pe, spec, proj, batch, save_kv_cache=not stored)
         return self.o_proj(out.reshape(tokens, spec.num_heads * spec.v_head_dim))
 
 
