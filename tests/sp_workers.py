@@ -36,6 +36,27 @@ def write_sta_strategy(path: Path, layers: int = 1) -> Path:
     return path
 
 
+SPARSE = ("sta", "vsa", "vmoba", "svg2")
+
+
+def sparse_backend(name: str, strategy: str):  # type: ignore[no-untyped-def]
+    """Each sparse backend configured to be really sparse on GRID at step 0, layer 0."""
+    if name == "sta":
+        return sta_backend(Path(strategy))
+    if name == "vsa":
+        from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend
+
+        return VideoSparseAttentionBackend({"sparsity": 0.5})  # 2 cubes of 4x4x4: each query cube keeps 1
+    if name == "vmoba":
+        from sglx.attention.diffusion.sparse.vmoba import VMoBABackend
+
+        return VMoBABackend({"first_full_step": 0, "temporal_chunk_size": 1, "temporal_topk": 1})
+    from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend
+
+    return SparseVideoGen2Backend({"num_q_centroids": 4, "num_k_centroids": 4, "top_p_kmeans": 0.5,
+                                   "min_kc_ratio": 0.0, "first_times_fp": 0.0, "first_layers_fp": 0.0})
+
+
 def sta_backend(strategy: Path):  # type: ignore[no-untyped-def]
     from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend
 
@@ -101,16 +122,17 @@ def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, st
         full, spread = _unshard(out, meta)
         results[name] = float((full.double() - sdpa64(q, k, v)).abs().max())
         results[name + "_text_spread"] = float(spread)
-    if strategy is not None and ring == 1:
-        meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=DIM, text_tokens=4, text_position="prefix")
+    if strategy is not None and ring == 1:  # sparse backends: the full-grid metadata, each rank's heads
+        meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=DIM, text_tokens=4, text_position="prefix",
+                               num_layers=1)
         q, k, v = (t.to(dev) for t in _inputs(99, 4, HEADS, dtype))
-        single = sta_backend(Path(strategy)).forward(q, k, v, meta=meta, layer=0)
-        inner = sta_backend(Path(strategy))
-        sp = SequenceParallelBackend(inner, groups)
-        local = [_shard(t, meta, rank, world) for t in (q, k, v)]
-        full, _ = _unshard(sp.forward(*local, meta=meta, layer=0), meta)
-        results["sta_vs_sp1"] = float((full - single).abs().max())
-        results["sta_vs_dense"] = float((full.double() - sdpa64(q, k, v)).abs().max())
+        for name in SPARSE:
+            single = sparse_backend(name, strategy).forward(q, k, v, meta=meta, layer=0)
+            sp = SequenceParallelBackend(sparse_backend(name, strategy), groups)
+            local = [_shard(t, meta, rank, world) for t in (q, k, v)]
+            full, _ = _unshard(sp.forward(*local, meta=meta, layer=0), meta)
+            results[f"{name}_vs_sp1"] = float((full - single).abs().max())
+            results[f"{name}_vs_dense"] = float((full.double() - sdpa64(q, k, v)).abs().max())
     return results
 
 

@@ -11,7 +11,7 @@ import torch
 from sglx.diffusion.parallel.degrees import SPDegrees, check_devices, check_heads, check_world, resolve_degrees
 from sglx.distributed.spawn import spawn_workers
 from sglx.errors import SglxError
-from sp_workers import attention_cases, write_sta_strategy
+from sp_workers import SPARSE, attention_cases, write_sta_strategy
 
 TOL = 2e-5  # fp32 against float64: the all-to-alls move values exactly, the softmax sums in another order
 CASES = ("dense", "prefix_text", "suffix_text", "gqa", "gqa_kv1_text")
@@ -32,12 +32,13 @@ def test_sp2_matches_float64_sdpa(two_ranks: dict[str, dict[str, float]], split:
     assert res[case + "_text_spread"] == 0.0  # every rank holds the same text outputs
 
 
-def test_sta_under_ulysses_equals_sp1(two_ranks: dict[str, dict[str, float]]) -> None:
-    """STA with a different window per head: each rank's heads get their own windows (head_offset), the tiles
-    cover the full grid, so SP 2 is SP 1 to the bit; and STA is really sparse here (far from dense)."""
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparse_backends_under_ulysses_equal_sp1(two_ranks: dict[str, dict[str, float]], name: str) -> None:
+    """STA (a different window per head: each rank's heads get their own windows via head_offset), VSA, VMoBA and
+    SVG2 see the full grid's metadata under Ulysses 2, so SP 2 is SP 1 to the bit; each is really sparse here."""
     res = two_ranks["u2r1"]
-    assert res["sta_vs_sp1"] < 1e-6
-    assert res["sta_vs_dense"] > 0.1
+    assert res[f"{name}_vs_sp1"] < 1e-6
+    assert res[f"{name}_vs_dense"] > 0.1
 
 
 def test_usp_2x2_matches_float64_sdpa() -> None:
@@ -76,14 +77,25 @@ def test_bad_degrees_are_one_line(call, needle: str) -> None:  # type: ignore[no
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
-def test_sparse_backend_refuses_ring(tmp_path: Path) -> None:
+def test_sparse_backends_refuse_what_sp_would_change(tmp_path: Path) -> None:
+    """Ring attention with a sparse backend; VMoBA thresholds across heads, STA search under Ulysses: one line."""
+    from sglx.attention.diffusion.sparse.sliding_tile import SlidingTileAttentionBackend
+    from sglx.attention.diffusion.sparse.vmoba import VMoBABackend
     from sglx.diffusion.parallel.attention import check_backend_for_sp
     from sglx.diffusion.parallel.groups import SPGroups
     from sp_workers import sta_backend
 
-    backend = sta_backend(write_sta_strategy(tmp_path / "s.json"))
+    ring = SPGroups(SPDegrees(1, 2), 0, None, None, (0, 1))
+    ulysses = SPGroups(SPDegrees(2, 1), 0, None, None, (0,))
     with pytest.raises(SglxError, match="ring attention merges dense partial results"):
-        check_backend_for_sp(backend, SPGroups(SPDegrees(1, 2), 0, None, None, (0, 1)))
+        check_backend_for_sp(sta_backend(write_sta_strategy(tmp_path / "s.json")), ring)
+    with pytest.raises(SglxError, match="moba_threshold_type overall selects chunks across all heads"):
+        check_backend_for_sp(VMoBABackend({"moba_threshold_type": "overall"}), ulysses)
+    check_backend_for_sp(VMoBABackend({"moba_threshold_type": "head_global"}), ulysses)
+    search = SlidingTileAttentionBackend({"mask_strategy_file_path": str(tmp_path / "w.json"),
+                                          "sta_mode": "STA_searching"})
+    with pytest.raises(SglxError, match="run the search with --sp-size 1"):
+        check_backend_for_sp(search, ulysses)
 
 
 @pytest.fixture(scope="module")
