@@ -115,6 +115,28 @@ def test_engine_tp2_greedy_sampling_and_a_dying_rank(models: dict[str, Path],
     assert not proc.is_alive()
 
 
+def test_rank_0_failing_mid_step_stops_the_group(models: dict[str, Path]) -> None:
+    """Rank 0 raising after the workers began the step (e.g. out of memory): their collectives can never match
+    again, so the workers are ended and every request after gets the same one line."""
+    eng = Engine(model_path=str(models["one_kv"]), dtype="float32", max_total_tokens=512, tp_size=2)
+    try:
+        (proc,) = eng.runner.tp_driver.workers._procs.values()
+
+        def out_of_memory(batch: object) -> torch.Tensor:
+            raise RuntimeError("CUDA out of memory (simulated)\ndetails")
+
+        eng.runner._forward = out_of_memory  # rank 0's own compute; the step was already sent to rank 1
+        for _ in range(2):
+            with pytest.raises(SglxError) as info:
+                eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+            assert str(info.value) == ("rank 0 of 2 failed: RuntimeError: CUDA out of memory (simulated) "
+                                       "(the tensor-parallel group was stopped)")
+        proc.join(10)
+        assert not proc.is_alive()
+    finally:
+        eng.shutdown()
+
+
 def test_generate_cli_tp2_under_torchrun_env_matches_hf(models: dict[str, Path]) -> None:
     """Both ranks run `sglx generate ... --tp 2` with torchrun's variables: rank 0 prints, rank 1 exits 0."""
     from sglx import platform

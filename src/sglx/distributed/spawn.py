@@ -174,6 +174,10 @@ class WorkerGroup:
     def done(self) -> bool:
         return all(r in self._values for r in self.ranks)
 
+    def stop_with_failure(self, rank: int, message: str) -> None:
+        """Record a failure found outside the workers (e.g. in the driver's own rank) and end every worker."""
+        self._fail(rank, message)
+
     def check(self) -> None:
         """Raise the first worker failure, if any."""
         err = self.failure

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -106,8 +105,7 @@ class ModelRunner:
         check_tp_supported(self.model_config, self.tp.size)
         self.local_heads = (self.tp.split(self.model_config.num_heads)[1],
                             self.tp.kv_heads(self.model_config.num_kv_heads)[1])
-        # rank 0 of a tensor-parallel group sends each step to the other ranks here (tp_runtime.TPDriver)
-        self.before_forward: Callable[[ForwardBatch], None] | None = None
+        # rank 0 of a tensor-parallel group: sends each step to the other ranks first (tp_runtime.TPDriver)
         self.tp_driver: Any = None
         from sglx.llm.models import load_model, resolve_dtype
 
@@ -249,8 +247,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [batch_size, vocab] of each request's last token (every token if return_all_logits)."""
-        if self.before_forward is not None:
-            self.before_forward(batch)
+        if self.tp_driver is not None:
+            return self.tp_driver.forward(batch, self._forward)
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         batch.attn_backend = self.backend
         self.last_greedy_ids = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

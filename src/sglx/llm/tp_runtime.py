@@ -29,12 +29,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglx.distributed.group import DistContext, destroy_distributed, init_distributed
-from sglx.distributed.spawn import WorkerError, WorkerGroup, start_workers
+from sglx.distributed.spawn import WorkerError, WorkerGroup, one_line, start_workers
 from sglx.errors import SglxError
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
@@ -116,6 +117,10 @@ class _LauncherWorkers:
 
     failure: WorkerError | None = None
 
+    def stop_with_failure(self, rank: int, message: str) -> None:
+        if self.failure is None:
+            self.failure = WorkerError(f"rank {rank} failed: {message}", rank)
+
     def wait(self, timeout_s: float | None = None) -> list[Any]:
         return []
 
@@ -181,15 +186,29 @@ class TPDriver:
         from sglx.llm.model_runner import ModelRunner
 
         runner = ModelRunner(self.config, dist=self.ctx, platform_snapshot=self.platform)
-        runner.before_forward = self.send_step
         runner.tp_driver = self
         self.runner = runner
         return runner
 
     # ---------------------------------------------------------------- steps
 
+    def forward(self, batch: ForwardBatch, compute: Callable[[ForwardBatch], torch.Tensor]) -> torch.Tensor:
+        """One step on every rank: send it to the workers, then `compute` it here (ModelRunner.forward).
+
+        If this rank fails after the workers started the step, their collectives can never match again:
+        the group is stopped and every later step raises that failure."""
+        self.send_step(batch)
+        try:
+            return compute(batch)
+        except Exception as exc:
+            failure = self.wait_for_failure(1.0)  # a worker's death shows up here as a collective error
+            if failure is not None:
+                raise failure from None
+            self.workers.stop_with_failure(0, f"{one_line(exc)} (the tensor-parallel group was stopped)")
+            raise
+
     def send_step(self, batch: ForwardBatch) -> None:
-        """Broadcast the step (called by ModelRunner.forward on rank 0 right before its own forward)."""
+        """Broadcast the step to the workers (rank 0, right before its own forward)."""
         self.check()
         try:
             _broadcast_batch(self.ctx, batch)
