@@ -59,11 +59,11 @@ fi
 timeout 55 python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
   > "$OUT/sparse_backends_$TAG.txt" 2>&1
 echo "backends bench rc=$?"
-timeout 100 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
+timeout 95 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
   --cases "18x48x80 3x3x3 (85%),wan1.3b-480p 3x3x3" \
   --out "$OUT/bench_sparse_video_$TAG.json" > "$OUT/bench_sparse_video_$TAG.txt" 2>&1
 echo "video bench rc=$?"
-timeout 65 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --sparse-step --cases none \
+timeout 60 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --sparse-step --cases none \
   --out "$OUT/bench_sparse_step_$TAG.json" > "$OUT/bench_sparse_step_$TAG.txt" 2>&1
 echo "sparse step rc=$?"
 COLUMNS=220 timeout 20 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
