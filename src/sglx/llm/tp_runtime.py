@@ -232,7 +232,7 @@ class TPDriver:
         return self.workers.failure
 
     def _on_failure(self, error: WorkerError) -> None:
-        log.error("%s", error)
+        log.info("%s", error)  # the caller raises it as the one line users see; this is for server logs
         self._failed.set()
         if getattr(self, "ctx", None) is not None and self.ctx.backend == "nccl":
             _abort_group()  # NCCL would wait for the dead rank until its timeout; gloo fails on its own
