@@ -63,8 +63,8 @@ def _mla_rope_kernel(Q, K, Cos, Sin, n_heads, stride_qt, stride_qh, stride_kt, s
                 tl.store(rope + HALF, encode_for_pool(o2, scale, FMT, bt), mask=mask)
                 for r0 in range(0, R, BLOCK_R):
                     offs_r = r0 + tl.arange(0, BLOCK_R)
-                    c = tl.load(C_Kv + t * stride_ct_kv + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
-                    tl.store(dst + offs_r, encode_for_pool(c, scale, FMT, bt), mask=offs_r < R)
+                    latent = tl.load(C_Kv + t * stride_ct_kv + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
+                    tl.store(dst + offs_r, encode_for_pool(latent, scale, FMT, bt), mask=offs_r < R)
 
 
 def apply_mla_rotary_(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
