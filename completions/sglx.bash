@@ -15,12 +15,12 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
         'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
-        'sglx bench one-batch') echo '--batch-size --input-len --output-len --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --help' ;;
+        'sglx bench one-batch') echo '--batch-size --input-len --output-len --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
         *) ;;
     esac
@@ -81,6 +81,8 @@ _sglx_nargs() {
         'sglx generate --ring-degree') echo '1' ;;
         'sglx generate --tp-size') echo '1' ;;
         'sglx generate --tp') echo '1' ;;
+        'sglx generate --dp-size') echo '1' ;;
+        'sglx generate --dp') echo '1' ;;
         'sglx serve --host') echo '1' ;;
         'sglx serve --port') echo '1' ;;
         'sglx serve --api-key') echo '1' ;;
@@ -114,6 +116,8 @@ _sglx_nargs() {
         'sglx serve --ring-degree') echo '1' ;;
         'sglx serve --tp-size') echo '1' ;;
         'sglx serve --tp') echo '1' ;;
+        'sglx serve --dp-size') echo '1' ;;
+        'sglx serve --dp') echo '1' ;;
         'sglx bench serving --base-url') echo '1' ;;
         'sglx bench serving --model') echo '1' ;;
         'sglx bench serving --endpoint') echo '1' ;;
@@ -175,6 +179,8 @@ _sglx_nargs() {
         'sglx bench one-batch --ring-degree') echo '1' ;;
         'sglx bench one-batch --tp-size') echo '1' ;;
         'sglx bench one-batch --tp') echo '1' ;;
+        'sglx bench one-batch --dp-size') echo '1' ;;
+        'sglx bench one-batch --dp') echo '1' ;;
         'sglx bench diffusion --backend') echo '1' ;;
         'sglx bench diffusion --shape') echo '1' ;;
         'sglx bench diffusion --step-backend') echo '1' ;;

@@ -102,6 +102,8 @@ _sglx_generate() {
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
+        '(--dp-size --dp)--dp-size=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
+        '(--dp-size --dp)--dp=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
         '--help[Show this message and exit.]'
 }
 
@@ -143,6 +145,8 @@ _sglx_serve() {
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
+        '(--dp-size --dp)--dp-size=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
+        '(--dp-size --dp)--dp=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
         '--help[Show this message and exit.]'
 }
 
@@ -261,6 +265,8 @@ _sglx_bench_one_batch() {
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
         '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
         '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
+        '(--dp-size --dp)--dp-size=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
+        '(--dp-size --dp)--dp=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
         '--help[Show this message and exit.]'
 }
 

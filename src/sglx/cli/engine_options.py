@@ -144,7 +144,23 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), "
                "attention heads and MLP split across them. Must divide the attention heads.",
                aliases=("--tp",)),
+    EngineFlag("dp_size", "--dp-size", int, 1,
+               "sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) "
+               "behind one endpoint; requests go to the replica most likely to hold their prefix in its cache, "
+               "else the least loaded.", aliases=("--dp",)),
 )
+
+
+def engine_cli_args(config: EngineConfig, skip: Sequence[str] = ()) -> list[str]:
+    """The command-line flags that rebuild `config` (non-default values only), e.g. for replica processes."""
+    default = EngineConfig()
+    args: list[str] = []
+    for f in ENGINE_FLAGS:
+        value = getattr(config, f.field)
+        if f.field in skip or value == getattr(default, f.field):
+            continue
+        args += [f.flag] if isinstance(value, bool) else [f.flag, str(value)]
+    return args
 
 
 def _plain(value: Any) -> Any:

@@ -73,6 +73,12 @@ def serve(
     try:
         if diffusion:
             code = run_diffusion_server(engine_config, config, backend_name)
+        elif engine_config.dp_size > 1:
+            from sglx.cli.engine_options import engine_cli_args
+            from sglx.server.dp_router import run_dp_server
+
+            code = run_dp_server(engine_cli_args(engine_config, skip=("dp_size",)), engine_config.dp_size,
+                                 engine_config.tp_size, engine_config.device, config)
         else:
             code = run_server(engine_config, config)
     except SglxError as exc:

@@ -34,6 +34,7 @@ LLM_ONLY_FLAGS = {
     "enable_mixed_chunk": "--enable-mixed-chunk", "disable_radix_cache": "--disable-radix-cache",
     "context_length": "--context-length", "cuda_graph_max_bs": "--cuda-graph-max-bs",
     "disable_cuda_graph": "--disable-cuda-graph", "tp_size": "--tp-size",
+    "dp_size": "--dp-size",
 }
 
 

@@ -50,6 +50,7 @@ class EngineConfig:
     ulysses_degree: int | None = None  # diffusion: ranks splitting attention heads (all-to-all)
     ring_degree: int | None = None  # diffusion: ranks passing key/value blocks around a ring
     tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA), see sglx.llm.tp_runtime
+    dp_size: int = 1  # data-parallel engine replicas behind one `sglx serve` endpoint (sglx.server.dp_router)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -72,7 +73,8 @@ class EngineConfig:
                                  ("--sp-size", self.sp_size, 1),
                                  ("--ulysses-degree", self.ulysses_degree, 1),
                                  ("--ring-degree", self.ring_degree, 1),
-                                 ("--tp-size", self.tp_size, 1)):
+                                 ("--tp-size", self.tp_size, 1),
+                                 ("--dp-size", self.dp_size, 1)):
             if value is not None and value < low:
                 problems.append(f"{flag} {value}: must be an integer >= {low}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0 or (

@@ -75,6 +75,9 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     from sglx.llm.model_config import load_model_config
     from sglx.llm.model_runner import ModelRunner
 
+    if config.dp_size > 1:
+        raise SglxError(f"--dp-size {config.dp_size} runs replicas behind `sglx serve`; one engine (generate, "
+                        "bench, Engine) is one replica: drop --dp-size")
     launched_rank = torchrun_rank(config)
     if config.tp_size == 1:
         return ModelRunner(config)
