@@ -4,13 +4,15 @@
 # without CUDA graphs, a dying rank), then `sglx bench one-batch` on the dummy Llama-3.1-8B shape at TP1 and TP2,
 # batch sizes 1 and 64, both in the same run (target: TP2 decode step <= 0.60x of TP1's). NVLink multicast stays
 # off (sglx forces NCCL_NVLS_ENABLE=0; exported here too). No extra wheels are needed.
-# Usage: OUT=dir bash benchmarks/run_tp_device.sh      (STAGES="tests bench" picks sections)
+# Stage dp (issue 15 item 3): `sglx serve --dp-size 1` vs `--dp-size 2` (one GPU per replica) under the same
+# `sglx bench serving` load (token-id prompts, dummy Llama-3.1-8B), target: DP2 output throughput >= 1.8x.
+# Usage: OUT=dir bash benchmarks/run_tp_device.sh      (STAGES="tests bench dp" picks sections)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:tests NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
-STAGES=${STAGES:-"tests bench"}
+STAGES=${STAGES:-"tests bench dp"}
 has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -44,5 +46,36 @@ if len(runs) == 2:
     for a, b in zip(runs[1]["results"], runs[2]["results"]):
         ratio = b["decode_step_ms_median"] / a["decode_step_ms_median"]
         print(f"bs {a['batch_size']}: TP2/TP1 decode step = {ratio:.3f} (target <= 0.60)")  # dummy shards differ
+EOF
+fi
+if has dp; then
+  for dp in 1 2; do
+    echo "== serve --dp-size $dp (llama-3.1-8b dummy bf16) + bench serving"
+    port=$((31000 + dp))
+    python3 -m sglx serve --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --dp-size "$dp" \
+      --port "$port" --max-running-requests 256 > "$OUT/serve_dp$dp.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 300); do
+      curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+      kill -0 "$pid" 2> /dev/null || break
+      sleep 1
+    done
+    timeout "${SERVE_BENCH_TIMEOUT:-150}" python3 -m sglx bench serving --base-url "http://127.0.0.1:$port" \
+      --num-prompts 512 --max-concurrency 256 --random-input-len 512 --random-output-len 128 \
+      --prompt-kind token-ids --disable-progress --output-file "$OUT/serving_dp$dp.json" \
+      > "$OUT/serving_dp$dp.log" 2>&1 || tail -5 "$OUT/serving_dp$dp.log"
+    kill -TERM "$pid"; wait "$pid"
+  done
+  python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {dp: json.loads((out / f"serving_dp{dp}.json").read_text()) for dp in (1, 2)
+        if (out / f"serving_dp{dp}.json").is_file()}
+for dp, r in runs.items():
+    print(f"dp {dp}: output {r['output_token_throughput']:.1f} tok/s, requests {r['request_throughput']:.2f}/s")
+if len(runs) == 2:
+    ratio = runs[2]["output_token_throughput"] / runs[1]["output_token_throughput"]
+    print(f"DP2/DP1 output throughput = {ratio:.2f} (target >= 1.8)")
 EOF
 fi

@@ -113,3 +113,15 @@ def test_tp_more_ranks_than_gpus_is_one_line() -> None:
     n = torch.cuda.device_count()
     with pytest.raises(SglxError, match=f"needs {2 * n} GPUs but this machine has {n}"):
         Engine(model_path="llama-3.2-1b", load_format="dummy", device="cuda", tp_size=2 * n)
+
+
+def test_dp_replicas_get_disjoint_gpu_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglx.errors import SglxError
+    from sglx.server.dp_router import replica_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    n = torch.cuda.device_count()
+    assert replica_gpus(2, 1) == ["0", "1"]
+    assert replica_gpus(1, 2) == ["0,1"]
+    with pytest.raises(SglxError, match=f"needs {n + 1} GPUs but {n} are visible"):
+        replica_gpus(n + 1, 1)
