@@ -54,6 +54,14 @@ class Replica:
         return (errors or lines or [""])[-1].strip()
 
 
+def _die_with_parent() -> None:
+    """In the replica, before exec: the kernel sends it SIGTERM when the router dies (even by SIGKILL)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def replica_gpus(dp_size: int, tp_size: int) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each replica: consecutive blocks of tp_size visible GPUs; None without CUDA."""
     import torch
@@ -92,7 +100,8 @@ def start_replicas(engine_args: list[str], dp_size: int, tp_size: int, device: s
             log_path = log_dir / f"replica{i}.log"
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             replicas.append(Replica(i, port, proc, log_path))
         _wait_healthy(replicas, config.api_key)
     except BaseException:
