@@ -3,11 +3,14 @@
 Loading streams one tensor at a time from memory-mapped files into the already-allocated parameters,
 so peak host memory stays around one tensor, and reports progress over tensors (rich bar on a TTY).
 Dummy weights exist so benchmarks can run any shipped config without downloading anything.
+fp8 KV-cache scales a checkpoint carries (vLLM/SGLang names, see `KV_SCALE_NAME`) are taken out of the
+stream and left on the model as `model.kv_cache_scales` for the KV pool (`TokenKVPool.set_static_scales`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +24,10 @@ from sglx.errors import SglxError
 
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
+KV_SCALE_NAME = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale)$")
+"""fp8 KV dequantization scales as vLLM/SGLang checkpoints name them: `model.layers.N.self_attn.k_scale` /
+`.v_scale` (also under `.attn.`), the older single `.kv_scale`, or `k_proj.output_scale` / `v_proj.output_scale`."""
 
 
 class WeightLoadable(Protocol):
@@ -88,13 +95,52 @@ def iter_safetensors(files: list[Path], show_progress: bool = False) -> Iterator
                     advance(f"{f.name} ({i + 1}/{len(files)})")
 
 
+def _without_kv_scales(weights: Iterator[tuple[str, torch.Tensor]], found: dict[int, dict[str, float]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights minus KV-cache scales, which go to `found[layer]['k'|'v']` (per-head scales: their max)."""
+    for name, tensor in weights:
+        match = KV_SCALE_NAME.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        value = float(tensor.float().abs().max())
+        if not (value > 0 and value < float("inf")):
+            raise SglxError(f"checkpoint tensor {name} = {value}: a KV-cache scale must be positive and finite")
+        kinds = {"k_scale": "k", "k_proj.output_scale": "k", "v_scale": "v", "v_proj.output_scale": "v"}
+        for kind in ("k", "v") if match.group(2) == "kv_scale" else (kinds[match.group(2)],):
+            found.setdefault(int(match.group(1)), {})[kind] = value
+
+
+def kv_cache_scales(found: dict[int, dict[str, float]], num_layers: int) -> tuple[list[float], list[float]] | None:
+    """Per-layer (K scales, V scales) from what `_without_kv_scales` collected; None when the checkpoint has none.
+
+    A checkpoint that scales only some layers, or only K or only V, is an error (sglx would have to guess).
+    """
+    if not found:
+        return None
+    incomplete = [i for i in range(num_layers) if set(found.get(i, {})) != {"k", "v"}]
+    extra = sorted(set(found) - set(range(num_layers)))
+    if incomplete or extra:
+        raise SglxError(f"the checkpoint has fp8 KV-cache scales (k_scale/v_scale) for some layers only: none or "
+                        f"half for layer(s) {incomplete[:5]}{' and layers ' + str(extra[:5]) if extra else ''}; "
+                        "add both to every layer, or remove them (sglx then computes per-token scales)")
+    return [found[i]["k"] for i in range(num_layers)], [found[i]["v"] for i in range(num_layers)]
+
+
 def load_safetensors_weights(model: nn.Module, model_dir: str | Path, show_progress: bool | None = None) -> None:
-    """Fill every parameter of `model` from the checkpoint; missing or unexpected tensors are an error."""
+    """Fill every parameter of `model` from the checkpoint; missing or unexpected tensors are an error.
+
+    KV-cache scales are not parameters: they are collected into `model.kv_cache_scales`
+    ((k list, v list) per layer, or None).
+    """
     files = find_safetensors(model_dir)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     loadable: WeightLoadable = model  # type: ignore[assignment]
-    loaded, unexpected = loadable.load_weights(iter_safetensors(files, show_progress))
+    scales: dict[int, dict[str, float]] = {}
+    loaded, unexpected = loadable.load_weights(_without_kv_scales(iter_safetensors(files, show_progress), scales))
+    num_layers = getattr(getattr(model, "config", None), "num_layers", None)
+    model.kv_cache_scales = kv_cache_scales(scales, num_layers if num_layers is not None else len(scales))
     missing = sorted(loadable.checkpoint_names() - loaded)
     problems = []
     if missing:

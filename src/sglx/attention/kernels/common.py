@@ -126,6 +126,41 @@ def encode_for_pool(x, scale, FMT: tl.constexpr, BUF_DT: tl.constexpr):
 
 
 @triton.jit
+def fp8_max(FMT: tl.constexpr):
+    """Largest finite value of the fp8 format (e4m3fn 448, e5m2 57344): a row's amax maps onto it."""
+    if FMT == 1:  # noqa: SIM108 - constexpr branch
+        m = 448.0
+    else:
+        m = 57344.0
+    return m
+
+
+@triton.jit
+def quantize_rows(x, mult_ptr, FMT: tl.constexpr, STEPS: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """float32 x [R, C] -> (uint8 fp8 bits [R, C], float32 scale [R]) per row, as `kv_cache.quantize_per_token`.
+
+    Base scale amax / fp8_max; with STEPS > 1 the candidates base * mult[j] are tried and the first with the
+    least squared rounding error is kept (padding columns must be zero: they add no error).
+    """
+    base = tl.maximum(tl.max(tl.abs(x), 1) / fp8_max(FMT), MIN_SCALE)
+    best_bits = value_to_fp8_bits(x / base[:, None], FMT)
+    best_scale = base
+    if STEPS > 1:
+        deq = fp8_bits_to_value(best_bits, FMT).to(tl.float32) * base[:, None]
+        best_err = tl.sum((deq - x) * (deq - x), 1)
+        for j in tl.static_range(1, STEPS):
+            scale = base * tl.load(mult_ptr + j)
+            bits = value_to_fp8_bits(x / scale[:, None], FMT)
+            deq = fp8_bits_to_value(bits, FMT).to(tl.float32) * scale[:, None]
+            err = tl.sum((deq - x) * (deq - x), 1)
+            better = err < best_err
+            best_bits = tl.where(better[:, None], bits, best_bits)
+            best_scale = tl.where(better, scale, best_scale)
+            best_err = tl.where(better, err, best_err)
+    return best_bits, best_scale
+
+
+@triton.jit
 def soft_cap(s, cap):
     """cap * tanh(s / cap), written with exp so it runs on every Triton backend and the interpreter."""
     t = s / cap

@@ -6,6 +6,10 @@ of the request's keys; it writes the split's normalised output and log2-sum-exp.
 request's splits. Keys are gathered through `kv_indices`, so any page size works. A request splits
 its (windowed) length into at most `max_splits` chunks of at least `min_chunk` keys: the grid is
 fixed by `max_splits` alone, short requests simply leave programs idle.
+
+fp8 KV: one scale per layer folds into the score scale and the output; per-token scales (tensors
+`[Hkv, rows]`, see `TokenKVPool`) are loaded with each tile's slots and multiply the scores (K) and the
+probabilities (V) in registers: no extra pass over the cache, 8 more bytes per key and head.
 """
 
 from __future__ import annotations
@@ -102,14 +106,14 @@ def _merge_if_last(o_row, lse_row, out_ptr, semaphore, n_active, head_mask, hd_m
 
 @triton.jit
 def _decode_stage1(
-    Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out, Semaphores,
+    Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out, Semaphores, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window, max_splits, min_chunk,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ksh, stride_vsh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
     MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr,
+    FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr, SLOT_SCALES: tl.constexpr,
 ):
     kv_head = tl.program_id(0) // HEAD_BLOCKS  # heads vary fastest: neighbours read the same tokens' rows
     head_block = tl.program_id(0) % HEAD_BLOCKS
@@ -142,12 +146,21 @@ def _decode_stage1(
             k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
-            p, alpha, m_new, l_i = online_softmax_step(dot(q, k, IEEE), n_mask[None, :], m_i, l_i, qk_scale,
+            qk = dot(q, k, IEEE)
+            if SLOT_SCALES:
+                qk = qk * tl.load(K_Scale + kv_head * stride_ksh + slots, mask=n_mask, other=0.0)[None, :]
+            p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
                                                        logit_cap, True, SOFTCAP)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
             v = kv_tile_to_compute(v, FMT, CVT >= 1, q.dtype)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+            if SLOT_SCALES:  # p * scale / (the tile's largest scale) stays in [0, 1]: no fp16 underflow
+                v_scale_n = tl.load(V_Scale + kv_head * stride_vsh + slots, mask=n_mask, other=0.0)
+                v_top = tl.max(v_scale_n, 0)
+                p = p * (v_scale_n / v_top)[None, :]
+                acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
+            else:
+                acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale
@@ -225,7 +238,7 @@ def decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
-    k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
+    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, fp8_dtype: torch.dtype | None = None,
     config: DecodeConfig = DecodeConfig(), interpret: bool = False, semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request: q [bs, Hq, D], out [bs, Hq, Dv]; mid_o [bs, Hq, max_splits, Dv] and
@@ -233,7 +246,10 @@ def decode_attention(
 
     semaphores: int32 zeros with at least `semaphore_count(bs, Hq, Hkv)` entries, left zero again by
     every launch (keep one buffer per stream). With them (and bs <= config.merge_max_batch) the last
-    split of each request merges the splits in the same kernel; otherwise a second kernel does."""
+    split of each request merges the splits in the same kernel; otherwise a second kernel does.
+
+    k_scale/v_scale: one float per layer, or float32 `[Hkv, rows]` per-slot scales of an fp8 pool
+    (`TokenKVPool.per_token_scales`; q must then already be in the pool's rotated key basis)."""
     bs, hq, dim = q.shape
     hkv = k_buffer.shape[1]
     if q.stride(-1) != 1:
@@ -246,6 +262,12 @@ def decode_attention(
     block_h, head_blocks = _head_blocking(group)
     block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret)
     softcap = logit_cap > 0
+    slot_scales = isinstance(k_scale, torch.Tensor)
+    if slot_scales:
+        k_scales, v_scales = k_scale, v_scale
+        k_scale = v_scale = 1.0
+    else:
+        k_scales = v_scales = mid_lse  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     window = int(sliding_window or 0)
     fmt = kv_format(fp8_dtype)
@@ -255,13 +277,15 @@ def decode_attention(
         raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {need}")
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
-        qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,
+        k_scales, v_scales, qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        k_scales.stride(0), v_scales.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits),
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
-        CVT=_fp8_convert_code(config, fmt, q.device, interpret), num_warps=num_warps, num_stages=num_stages,
+        CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if merge_here:
         return out

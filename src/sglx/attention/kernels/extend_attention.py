@@ -4,7 +4,8 @@ Every key, the prefix's and this step's, is read from the KV pool through `kv_in
 stores this step's K/V first), exactly like the reference backend, so fp8 KV means the same numbers
 in both. One program owns BLOCK_M queries of one head of one request; its key range is cut into a
 masked low edge (sliding window), an unmasked middle and a masked diagonal, so only the edge tiles
-pay for masks. Query blocks run heaviest (last) first.
+pay for masks. Query blocks run heaviest (last) first. fp8 per-token scales (`[Hkv, rows]` tensors) are
+loaded with each tile's slots and multiply scores and probabilities in registers, as in decode.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
+    K_Scale, V_Scale, stride_ksh, stride_vsh,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    FROM_EXT: tl.constexpr,
+    FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -74,21 +76,30 @@ def _extend_tiles(
         v = fp8_bits_to_value(v, FMT).to(q.dtype)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < kv_len)
         visible = visible & (offs_n[None, :] > q_pos[:, None] - win)  # unused (removed) when not MASKED
-        p, alpha, m_new, l_i = online_softmax_step(dot(q, k, IEEE), visible, m_i, l_i, qk_scale, logit_cap, MASKED,
-                                                   SOFTCAP)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+        qk = dot(q, k, IEEE)
+        if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
+            qk = qk * tl.load(K_Scale + kv_head * stride_ksh + slots)[None, :]
+        p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
+        if SLOT_SCALES and not FROM_EXT:  # normalised by the tile's largest scale: no fp16 underflow
+            v_scale_n = tl.load(V_Scale + kv_head * stride_vsh + slots)
+            v_top = tl.max(v_scale_n, 0)
+            p = p * (v_scale_n / v_top)[None, :]
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext,
+    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ekt, stride_ekh, stride_evt, stride_evh, EXT: tl.constexpr,
+    stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ksh, stride_vsh, EXT: tl.constexpr,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    SLOT_SCALES: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
@@ -135,21 +146,21 @@ def _extend_kernel(
             ext_lo = kv_len + BLOCK_N  # past every key: the pool serves them all
         ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
                        stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
-                       stride_ekt, stride_ekh, stride_evt, stride_evh)
+                       stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ksh, stride_vsh)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -180,7 +191,7 @@ def extend_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int,
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
-    k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
+    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, fp8_dtype: torch.dtype | None = None,
     config: ExtendConfig = ExtendConfig(), interpret: bool = False,
     k_ext: torch.Tensor | None = None, v_ext: torch.Tensor | None = None, prefix_tokens: int = 0,
 ) -> torch.Tensor:
@@ -190,7 +201,8 @@ def extend_attention(
     k_ext/v_ext [T, Hkv, D] (optional): this step's K/V rows, aligned with q. With a native-dtype pool they
     hold exactly what was stored, and the new tokens' tiles are read from them instead of gathered
     from the pool. An fp8 pool ignores them, so both paths see the same quantized keys. prefix_tokens (the
-    batch's cached keys, known on the host) only picks the tile shape."""
+    batch's cached keys, known on the host) only picks the tile shape. k_scale/v_scale: one float per
+    layer, or float32 `[Hkv, rows]` per-slot scales (q then already in the pool's rotated key basis)."""
     num_tokens, hq, dim = q.shape
     bs = qo_indptr.shape[0] - 1
     if q.stride(-1) != 1:
@@ -203,6 +215,12 @@ def extend_attention(
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret,
                                                       ext and prefix_tokens <= num_tokens)
     softcap = logit_cap > 0
+    slot_scales = isinstance(k_scale, torch.Tensor)
+    if slot_scales:
+        k_scales, v_scales = k_scale, v_scale
+        k_scale = v_scale = 1.0
+    else:
+        k_scales = v_scales = qo_indptr  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
     if ext:
@@ -211,13 +229,14 @@ def extend_attention(
     else:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
     _extend_kernel[grid](
-        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext, v_ext,
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext, v_ext, k_scales, v_scales,
         qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), EXT=ext,
+        k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
+        EXT=ext,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -6,7 +6,9 @@ before attention, and attention reads every key from the pool, so results equal 
 (fp8 KV included). Decode is CUDA-graph capturable: the metadata lives in static buffers
 (`_GraphState`) and its build (one kernel over the graph's static req_pool_indices/seq_lens) is
 captured INTO the graph by `init_forward_metadata_in_graph`, so a replay only copies inputs and
-launches; nothing here reads device values back to the host. A captured graph
+launches; nothing here reads device values back to the host. fp8 pools with per-token scales
+(`TokenKVPool.per_token_scales`): queries are rotated into the pool's key basis (one small matmul per
+layer) and the kernels apply each key's scales in registers. A captured graph
 fixes the decode grid, so its number of KV splits is chosen for the longest possible context; each
 request still splits only its own length (short requests leave the extra programs idle).
 """
@@ -26,7 +28,7 @@ from sglx.attention.kernels.decode_attention import (
 )
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_metadata
-from sglx.attention.kernels.store_kv import store_kv
+from sglx.attention.kernels.store_kv import store_kv_to_pool
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
@@ -174,10 +176,8 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ attention
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
-        pool = batch.token_kv_pool
-        store_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
-                 pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], batch.out_cache_loc,
-                 pool.k_scale[layer.layer_id], pool.v_scale[layer.layer_id], pool.fp8_dtype)
+        store_kv_to_pool(batch.token_kv_pool, layer.layer_id, k.reshape(k.shape[0], layer.num_kv_heads, -1),
+                         v.reshape(v.shape[0], layer.num_kv_heads, -1), batch.out_cache_loc)
 
     def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
@@ -186,6 +186,8 @@ class TritonBackend(AttentionBackend):
 
         if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
             return False
+        if getattr(batch.token_kv_pool, "per_token_scales", False):
+            return False  # per-token fp8 scales and the key rotation are written by store_kv_to_pool
         from sglx.llm.kernels.rotary import apply_rotary_and_store_
 
         pool = batch.token_kv_pool
@@ -207,9 +209,9 @@ class TritonBackend(AttentionBackend):
             self._save(k, v, layer, batch)
         meta = self.meta
         assert meta is not None and meta.qo_indptr is not None, "init_forward_metadata(batch) must run first"
-        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
-        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
         pool = batch.token_kv_pool
+        q = pool.rotate_query(q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim))
+        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
         return extend_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.qo_indptr,
             meta.kv_indptr, meta.kv_indices, meta.max_extend_len, layer.scaling, config=self.extend_config,
@@ -222,9 +224,9 @@ class TritonBackend(AttentionBackend):
         meta = self.meta
         assert meta is not None and meta.mid_o is not None and meta.mid_lse is not None, \
             "init_forward_metadata(batch) must run first"
-        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
-        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
         pool = batch.token_kv_pool
+        q = pool.rotate_query(q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim))
+        out = q.new_empty((q.shape[0], layer.num_q_heads, self.v_head_dim))
         return decode_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.kv_indptr, meta.kv_indices,
             meta.mid_o, meta.mid_lse, layer.scaling, config=self.decode_config, semaphores=meta.semaphores,
