@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: 2 processes over gloo, checked against Hugging Face transformers and tp 1.
 
-Each test that starts ranks pays for two Python + torch start-ups, so the checks are grouped: one spawn for
-the model-level logits (two models: KV heads split, and one KV head replicated on both ranks), one engine
-for greedy tokens, sampling and a rank dying mid-run, one `sglx generate --tp 2` subprocess.
+Each test that starts ranks pays for Python + torch start-ups, so the checks are grouped: one pair of
+processes runs `sglx generate --tp 2` under torchrun's variables and then the model-level logits (two
+models: KV heads split, and one KV head replicated on both ranks); one engine (sglx's own spawn) checks
+greedy tokens, sampling and a rank dying mid-run; one more checks rank 0 failing mid-step.
 """
 
 from __future__ import annotations
@@ -22,13 +23,7 @@ from sglx.cli.app import app
 from sglx.distributed import WorkerError, spawn_workers
 from sglx.errors import SglxError
 from sglx.llm.engine import Engine
-from tp_workers import (
-    prompt_logits,
-    raise_mid_run_worker,
-    runner_config,
-    torchrun_style_generate,
-    tp_logits_worker,
-)
+from tp_workers import prompt_logits, raise_mid_run_worker, runner_config, torchrun_generate_then_logits
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 200, 7, 12, 64, 3], [1, 44, 45, 46, 47, 48, 302, 17, 250]]
 STEPS = 10
@@ -53,18 +48,35 @@ def hf_refs(models: dict[str, Path]) -> dict[str, list[tuple[list[int], torch.Te
     return refs
 
 
-def test_tp2_logits_match_tp1_and_hf(models: dict[str, Path], single_torch_thread: None) -> None:
+def test_tp2_generate_under_torchrun_env_and_logits_match_tp1_and_hf(models: dict[str, Path],
+                                                                      single_torch_thread: None) -> None:
+    """Two ranks with torchrun's variables run `sglx generate ... --tp 2` (rank 0 prints HF's greedy tokens,
+    rank 1 serves it and exits 0); then the same two processes build each model's shards directly and compare
+    their logits with tp 1 and HF (KV heads split 1 + 1, and one KV head replicated on both ranks)."""
+    from sglx import platform
+    from sglx.distributed import find_free_port
     from sglx.llm.model_runner import ModelRunner
+    from sglx.llm.tokenizer import Tokenizer
 
+    gen_path = models["one_kv"]
+    text = "The quick brown fox"
+    ref_tokens = hf_greedy(load_hf_model(gen_path), Tokenizer.from_dir(gen_path).encode(text), 8)[0]
+    args = ["--model-path", str(gen_path), "--prompt", text, "--max-new-tokens", "8", "--ignore-eos", "--json",
+            "--dtype", "float32", "--tp", "2", "--max-total-tokens", "512"]
     prompt, nxt = PROMPTS[0], 77
     paths = [str(models["gqa"]), str(models["one_kv"])]
-    from sglx import platform
+    (code0, out0, logits0), (code1, out1, logits1) = spawn_workers(
+        torchrun_generate_then_logits, 2, (args, platform.current(), paths, prompt, nxt, find_free_port()),
+        timeout_s=240)
 
-    ranks = spawn_workers(tp_logits_worker, 2, (paths, prompt, nxt, "cpu", "torch_native", platform.current()),
-                          timeout_s=120)
+    assert code0 == 0 and code1 == 0, (out0, out1)
+    (record,) = [json.loads(line) for line in out0.splitlines() if line.startswith("{")]
+    assert record["output_ids"] == ref_tokens
+    assert out1.strip() == ""
+
     for i, path in enumerate(paths):
-        extend0, decode0 = ranks[0][i]
-        extend1, decode1 = ranks[1][i]
+        extend0, decode0 = logits0[i]
+        extend1, decode1 = logits1[i]
         # every rank ends with the same full-vocabulary logits (the LM head gathers them): same sampling
         assert torch.equal(extend0, extend1) and torch.equal(decode0, decode1)
         with torch.inference_mode():
@@ -135,24 +147,6 @@ def test_rank_0_failing_mid_step_stops_the_group(models: dict[str, Path]) -> Non
         assert not proc.is_alive()
     finally:
         eng.shutdown()
-
-
-def test_generate_cli_tp2_under_torchrun_env_matches_hf(models: dict[str, Path]) -> None:
-    """Both ranks run `sglx generate ... --tp 2` with torchrun's variables: rank 0 prints, rank 1 exits 0."""
-    from sglx import platform
-    from sglx.llm.tokenizer import Tokenizer
-
-    path = models["one_kv"]
-    text = "The quick brown fox"
-    ref = hf_greedy(load_hf_model(path), Tokenizer.from_dir(path).encode(text), 8)[0]
-    args = ["--model-path", str(path), "--prompt", text, "--max-new-tokens", "8", "--ignore-eos", "--json",
-            "--dtype", "float32", "--tp", "2", "--max-total-tokens", "512"]
-    (code0, out0), (code1, out1) = spawn_workers(torchrun_style_generate, 2, (args, platform.current()),
-                                                 timeout_s=180)
-    assert code0 == 0 and code1 == 0, (out0, out1)
-    (record,) = [json.loads(line) for line in out0.splitlines() if line.startswith("{")]
-    assert record["output_ids"] == ref
-    assert out1.strip() == ""
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -85,3 +85,16 @@ def torchrun_style_generate(rank: int, world_size: int, args: list[str], platfor
     sglx.platform.current = lambda probe_packages=True: platform  # type: ignore[assignment]
     result = CliRunner().invoke(app, ["generate", *args])
     return result.exit_code, result.stdout
+
+
+def torchrun_generate_then_logits(rank: int, world_size: int, cli_args: list[str], platform: object,
+                                  model_paths: list[str], prompt: list[int], next_token: int,
+                                  logits_port: int) -> tuple[int, str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Both checks in one pair of processes (each costs seconds of start-up): `sglx generate` under torchrun's
+    variables, then, in a second group on another port, the model-level logits of `tp_logits_worker`."""
+    import os
+
+    code, out = torchrun_style_generate(rank, world_size, cli_args, platform)
+    os.environ["MASTER_PORT"] = str(logits_port)
+    return code, out, tp_logits_worker(rank, world_size, model_paths, prompt, next_token, "cpu", "torch_native",
+                                       platform)
