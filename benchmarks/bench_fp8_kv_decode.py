@@ -1,0 +1,174 @@
+"""fp8 KV decode with per-token scales vs bf16 cuDNN, and the embedded model's recall with fp8 KV, on one GPU.
+
+Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/bench_fp8_kv_decode.py --output fp8.json [--recall 200]
+Decode shape (issue 13): B=64, 32 query / 8 KV heads, head dim 128, context 4096, pages 1 and 16 shuffled.
+Timed, each after a check against SDPA over what the cache holds (dequantized; per-token: rotated queries
+over the rotated keys): SDPA cuDNN on contiguous bf16 KV (the baseline), triton bf16 paged, triton fp8
+e4m3 with one scale per layer (the old path), triton fp8 e4m3 with per-token scales (kernel alone, and
+with the per-layer query rotation), and the K/V store of one decode step and of a 4096-token prefill.
+do_bench medians, L2 flushed. --recall N: the embedded model answering N prompts of 62 pairs through
+triton and torch_native with auto / fp8_e4m3 / fp8_e5m2 KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_triton_decode import DEV, DIM, DTYPE, HKV, HQ, median_ms, paged_indices, sdpa_decode  # noqa: E402
+
+from sglx.attention.kernels.common import num_sms  # noqa: E402
+from sglx.attention.kernels.decode_attention import choose_num_kv_splits, decode_attention  # noqa: E402
+from sglx.attention.kernels.store_kv import store_kv, store_kv_to_pool  # noqa: E402
+from sglx.llm.kv_cache import TokenKVPool  # noqa: E402
+
+BS, CTX = 64, 4096
+
+
+def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cudnn_ms: float) -> list[dict]:
+    kv_indptr, kv_indices, slots = paged_indices(BS, CTX, page, seed=page)
+    loc = kv_indices.long()
+    flat_k = k.transpose(1, 2).reshape(-1, HKV, DIM)
+    flat_v = v.transpose(1, 2).reshape(-1, HKV, DIM)
+    splits = choose_num_kv_splits(BS, HKV, CTX, num_sms(DEV))
+    mid_o = torch.empty(BS, HQ, splits, DIM, device=DEV)
+    mid_lse = torch.empty(BS, HQ, splits, device=DEV)
+    rows = []
+    for name in ("bf16", "fp8_e4m3 per-layer scale", "fp8_e4m3 per-token scales"):
+        kv = "auto" if name == "bf16" else "fp8_e4m3"
+        pool = TokenKVPool(slots, page, 1, HKV, DIM, DTYPE, kv, DEV, per_token_scales="per-token" in name)
+        store_kv_to_pool(pool, 0, flat_k, flat_v, loc)
+        got_k, got_v = pool.get_kv(0, loc, DTYPE)  # unrotated, dequantized: what attention should see
+        cache_k = got_k.view(BS, CTX, HKV, DIM).transpose(1, 2).contiguous()
+        cache_v = got_v.view(BS, CTX, HKV, DIM).transpose(1, 2).contiguous()
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref = sdpa_decode(q, cache_k, cache_v)
+        del cache_k, cache_v, got_k, got_v
+        out = torch.empty(BS, HQ, DIM, device=DEV, dtype=DTYPE)
+        q_rot = pool.rotate_query(q)
+
+        def kernel(pool=pool, out=out, q_in=q_rot) -> None:
+            decode_attention(q_in, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
+                             DIM ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype)
+
+        def with_rotation(pool=pool, out=out) -> None:
+            decode_attention(pool.rotate_query(q), pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices,
+                             mid_o, mid_lse, DIM ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0],
+                             fp8_dtype=pool.fp8_dtype)
+
+        row: dict = dict(page=page, kv=name, splits=splits)
+        try:
+            kernel()
+            row["max_abs_err_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+            row["ms"] = median_ms(kernel)
+            row["over_cudnn_bf16"] = row["ms"] / cudnn_ms
+            if pool.per_token_scales:
+                row["ms_with_query_rotation"] = median_ms(with_rotation)
+                row["with_rotation_over_cudnn_bf16"] = row["ms_with_query_rotation"] / cudnn_ms
+        except Exception as exc:  # recorded, not fatal: the other rows still run
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        print(row, flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    return rows
+
+
+def store_rows() -> list[dict]:
+    """One decode step's (64 tokens) and one prefill's (4096 tokens) K/V store, per pool kind."""
+    rows = []
+    for tokens in (BS, 4096):
+        k = torch.randn(tokens, HKV, DIM, device=DEV, dtype=DTYPE)
+        v = torch.randn(tokens, HKV, DIM, device=DEV, dtype=DTYPE)
+        loc = torch.randperm(tokens * 4, device=DEV)[:tokens] + 16
+        for name in ("bf16", "fp8_e4m3 per-layer scale", "fp8_e4m3 per-token scales"):
+            pool = TokenKVPool(tokens * 4, 16, 1, HKV, DIM, DTYPE, "auto" if name == "bf16" else "fp8_e4m3", DEV,
+                               per_token_scales="per-token" in name)
+            row: dict = dict(tokens=tokens, kv=name)
+            try:
+                if pool.per_token_scales:
+                    row["ms"] = median_ms(lambda pool=pool, k=k, v=v, loc=loc: store_kv_to_pool(pool, 0, k, v, loc))
+                else:
+                    row["ms"] = median_ms(lambda pool=pool, k=k, v=v, loc=loc: store_kv(
+                        k, v, pool.k_buffer[0], pool.v_buffer[0], loc, 1.0, 1.0, pool.fp8_dtype))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def recall_rows(n: int) -> list[dict]:
+    from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
+    from sglx.llm.engine import Engine
+
+    rng = random.Random(11)
+    examples = [make_example(rng, MAX_PAIRS) for _ in range(n)]
+    prompts, answers = [p for p, _ in examples], [a for _, a in examples]
+    rows = []
+    for backend in ("triton", "torch_native"):
+        for kv in ("auto", "fp8_e4m3", "fp8_e5m2"):
+            row: dict = dict(backend=backend, kv_cache_dtype=kv, prompts=n, pairs=MAX_PAIRS)
+            start = time.perf_counter()
+            try:
+                with Engine(attention_backend=backend, kv_cache_dtype=kv, device="cuda") as eng:
+                    row["dtype"] = str(eng.runner.dtype)
+                    row["per_token_scales"] = bool(getattr(eng.runner.token_kv_pool, "per_token_scales", False))
+                    results = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0})
+                row["accuracy"] = sum(normalize_output(r["text"]) == a for r, a in zip(results, answers)) / n
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output", default="bench_fp8_kv_decode.json")
+    ap.add_argument("--recall", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    result: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                        shape=dict(batch=BS, context=CTX, q_heads=HQ, kv_heads=HKV, head_dim=DIM, dtype=str(DTYPE)))
+    k = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
+    v = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
+    q = torch.randn(BS, HQ, DIM, device=DEV, dtype=DTYPE)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        result["cudnn_bf16_ms"] = cudnn = median_ms(lambda q=q, k=k, v=v: sdpa_decode(q, k, v))
+    print("cuDNN bf16 contiguous", cudnn, flush=True)
+    out = Path(args.output)
+    result["decode"] = [r for page in (1, 16) for r in decode_rows(page, q, k, v, cudnn)]
+    out.write_text(json.dumps(result, indent=1))  # after every section: a timeout keeps what was measured
+    del k, v
+    torch.cuda.empty_cache()
+    result["store"] = store_rows()
+    out.write_text(json.dumps(result, indent=1))
+    if args.recall:
+        result["recall"] = recall_rows(args.recall)
+        out.write_text(json.dumps(result, indent=1))
+    print(f"\n{result['device']} torch {result['torch']} triton {result['triton']}; cuDNN bf16 {cudnn:.4f} ms")
+    for r in result["decode"]:
+        extra = f"  +rotation {r['ms_with_query_rotation']:.4f} ms ({r['with_rotation_over_cudnn_bf16']:.3f}x)" \
+            if "ms_with_query_rotation" in r else ""
+        print(f"page {r['page']:2d} {r['kv']:26s} " + (f"{r['ms']:.4f} ms {r['over_cudnn_bf16']:.3f}x cuDNN "
+              f"err {r['max_abs_err_vs_sdpa']:.1e}{extra}" if "ms" in r else r.get("error", "")))
+    for r in result["store"]:
+        print(f"store {r['tokens']:5d} tokens {r['kv']:26s} " + (f"{r['ms']:.4f} ms" if "ms" in r else r["error"]))
+    for r in result.get("recall", []):
+        print(f"recall {r['backend']:12s} {r['kv_cache_dtype']:9s} " + (f"{r['accuracy']:.3f} ({r['dtype']})"
+              if "accuracy" in r else r["error"]))
+
+
+if __name__ == "__main__":
+    main()
