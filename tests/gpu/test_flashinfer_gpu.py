@@ -19,6 +19,9 @@ flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else
 
 DEV = "cuda"
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# XQA's SM90 kernel for fp8 KV multiplies in fp8 (queries and probabilities rounded to e4m3, 3 mantissa bits):
+# 0.036 max error measured on the H100 where every other path stays under 3e-2; wrong pages err by ~1
+XQA_FP8_TOL = 0.1
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10, 12)
 
 
@@ -89,13 +92,16 @@ def test_backend_matches_float64_step_by_step(name, dtype, page, hq, hkv, dim, k
         out = backend.forward(q, k, v, layer, batch)
         torch.cuda.synchronize()
         ragged = step == 0  # no cached prefix anywhere: attention reads this step's raw K/V
+        tol = TOL[dtype]
+        if name == "trtllm_mha" and kv_cache_dtype != "auto" and mode is ForwardMode.DECODE:
+            tol = XQA_FP8_TOL
         row = 0
         for i, (a, b) in enumerate(zip(lo, hi)):
             keys, values = (cache.raw_keys[i], cache.raw_values[i]) if ragged else (cache.keys[i], cache.values[i])
             ref = reference_attention(q[row:row + b - a], keys[:b], values[:b], torch.arange(a, b), dim ** -0.5,
                                       window, cap)
             err = (out[row:row + b - a].double() - ref).abs().max().item()
-            assert err <= TOL[dtype], (mode, i, err)
+            assert err <= tol, (mode, i, err)
             row += b - a
         lo = hi
 
