@@ -158,14 +158,19 @@ def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.T
     assert got_png.shape == ref_png.shape and np.abs(got_png - ref_png).max() <= 1
 
 
-def test_launch_ranks_spawns_one_process_per_rank(wan_dir: Path, tmp_path: Path) -> None:
-    """`sglx generate --sp-size 2` without torchrun: launch_ranks starts 2 gloo ranks that each run the job."""
+def test_launch_ranks_spawns_one_process_per_rank(wan_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sglx generate --sp-size 2` without torchrun: launch_ranks starts 2 gloo ranks that each run the job.
+    Under torchrun (WORLD_SIZE=2 in the environment) nothing is spawned: the rank joins torchrun's group."""
     from sglx.diffusion.parallel.launch import launch_ranks, needs_launch
     from sglx.llm.engine_config import EngineConfig
     from sp_workers import probe_job
 
     config = EngineConfig(model_path=str(wan_dir), device="cpu", sp_size=2)
     assert needs_launch(config) and not needs_launch(EngineConfig(model_path=str(wan_dir), sp_size=1))
+    with monkeypatch.context() as env:
+        env.setenv("WORLD_SIZE", "2")
+        assert not needs_launch(config)
     launch_ranks(probe_job, config, str(tmp_path))
     seen = sorted(json.loads(p.read_text())["rank"] for p in tmp_path.glob("rank*.json"))
     assert seen == [0, 1]

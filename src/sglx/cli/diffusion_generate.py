@@ -65,7 +65,7 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
 
     from sglx.diffusion.batch_job import OutputPlan, run_prompts
     from sglx.diffusion.engine import DiffusionEngine
-    from sglx.diffusion.parallel.launch import launch_ranks, needs_launch
+    from sglx.diffusion.parallel.launch import join_torchrun, launch_ranks, needs_launch
     from sglx.diffusion.request import DiffusionRequest
 
     if any(not isinstance(p, str) for p in prompts):
@@ -74,6 +74,7 @@ def run_diffusion(config: EngineConfig, prompts: list[Any], flags: DiffusionFlag
     if needs_launch(config):  # --sp-size N: N processes each run this function; rank 0 prints and writes
         launch_ranks(run_diffusion, config, prompts, flags, seed, json_output, backend=flags.backend)
         return
+    join_torchrun(config)  # a rank torchrun started: join its group (no-op otherwise)
     requests = [DiffusionRequest(prompt=p, negative_prompt=flags.negative_prompt, height=flags.height,
                                  width=flags.width, num_frames=flags.num_frames,
                                  num_inference_steps=flags.num_inference_steps, guidance_scale=flags.guidance_scale,

@@ -3,12 +3,14 @@
 The parent checks what it can before any process starts (flag sizes, heads against the Ulysses degree, ranks
 against GPUs), then spawns `sp` ranks with sglx.distributed.spawn (torchrun's environment, NVLink multicast
 off, the first failure ends every rank and comes back as one line). Each rank joins torch.distributed (NCCL
-on its own GPU, gloo on CPU) and runs the job; under torchrun the job runs in place.
+on its own GPU, gloo on CPU) and runs the job. Under torchrun (`torchrun --nproc-per-node N -m sglx generate
+--sp-size N ...`) every rank runs the job in place after `join_torchrun`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +19,32 @@ import torch.distributed as dist
 
 from sglx.diffusion.parallel.degrees import check_devices
 from sglx.diffusion.parallel.runtime import check_native_backend, requested_degrees
+from sglx.errors import SglxError
+
+
+def _asked(config: Any) -> bool:
+    return any(v not in (None, 1) for v in (config.sp_size, config.ulysses_degree, config.ring_degree))
+
+
+def _torchrun_world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise SglxError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
 def needs_launch(config: Any) -> bool:
-    """True when the flags ask for more than one rank and this process is not one already."""
-    asked = any(v not in (None, 1) for v in (config.sp_size, config.ulysses_degree, config.ring_degree))
-    return asked and not dist.is_initialized()
+    """True when the flags ask for more than one rank and no launcher (sglx's spawn, torchrun) started this one."""
+    return _asked(config) and not dist.is_initialized() and _torchrun_world() <= 1
+
+
+def join_torchrun(config: Any) -> None:
+    """Under torchrun (WORLD_SIZE > 1 in the environment) with sequence-parallel flags: join the process group
+    (NCCL on this rank's GPU, gloo on CPU); the engine then checks the world size against the split."""
+    if _asked(config) and not dist.is_initialized() and _torchrun_world() > 1:
+        from sglx.distributed.group import init_distributed
+
+        init_distributed(device="cpu" if config.device == "cpu" else None)
 
 
 def _heads(model_path: str | None) -> int | None:
