@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,3 +302,5 @@ def run_dp_server(engine_args: list[str], dp_size: int, tp_size: int, device: st
         return _serve(app, config)
     finally:
         stop_replicas(replicas, config.grace_period)
+        if all(r.process.returncode in (0, -signal.SIGTERM) for r in replicas):
+            shutil.rmtree(log_dir, ignore_errors=True)  # the logs are kept only when a replica failed
