@@ -154,3 +154,17 @@ def test_embedded_model_keeps_its_recall_with_fp8_e4m3_kv():
     right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
     print(f"\nfp8_e4m3 recall: {right}/{len(examples)}")
     assert right / len(examples) >= 0.98
+
+
+def test_backends_that_read_one_scale_per_layer_get_a_static_pool(monkeypatch):
+    """A selected backend without kv_scales_per_token (FlashInfer takes one scale per layer) gets static scales."""
+    from sglx.attention.llm.torch_native import TorchNativeBackend
+    from sglx.llm.engine import Engine
+
+    with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", max_total_tokens=256) as eng:
+        assert eng.runner.token_kv_pool.per_token_scales
+    monkeypatch.setattr(TorchNativeBackend, "kv_scales_per_token", False)
+    with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", max_total_tokens=256) as eng:
+        pool = eng.runner.token_kv_pool
+        assert not pool.per_token_scales and pool.k_scale == [1.0] * pool.num_layers
+        assert eng.generate("k3=abcde; ? k3=", {"max_new_tokens": 6, "temperature": 0.0})["text"]

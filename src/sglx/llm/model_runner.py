@@ -214,8 +214,11 @@ class ModelRunner:
         if mc.mla is not None:
             return MLATokenKVPool(num_slots, page_size, mc.num_layers, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim,
                                   self.dtype, kv_dtype, device)
+        # fp8: per-token scales when every selected backend reads them (AttentionBackend.kv_scales_per_token)
+        specs = [find(name, "llm", mc.attention_kind) for name in {self.selection.prefill, self.selection.decode}]  # type: ignore[arg-type]
+        per_token = all(spec is not None and getattr(spec.load(), "kv_scales_per_token", False) for spec in specs)
         pool = TokenKVPool(num_slots, page_size, mc.num_layers, self.local_heads[1], mc.head_dim, self.dtype,
-                           kv_dtype, device, per_token_scales=True)
+                           kv_dtype, device, per_token_scales=per_token)
         checkpoint_scales = getattr(getattr(self, "model", None), "kv_cache_scales", None)
         if checkpoint_scales is not None:  # fp8 KV: the checkpoint's static k_scale/v_scale win over per-token ones
             pool.set_static_scales(*checkpoint_scales)

@@ -52,6 +52,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str] = "base"
     supports_cuda_graph: ClassVar[bool] = False
+    # True: reads fp8 pools with per-token scales and rotated keys (`TokenKVPool.per_token_scales`, see
+    # kv_cache.py). The runner gives such a pool only when every selected backend says True; the others
+    # get one static scale per layer (1.0, or the checkpoint's k_scale/v_scale).
+    kv_scales_per_token: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

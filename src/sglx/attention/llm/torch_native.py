@@ -89,6 +89,7 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_cuda_graph = False
+    kv_scales_per_token = True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.meta = step_metadata(batch)

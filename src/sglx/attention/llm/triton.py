@@ -65,6 +65,7 @@ class _GraphState:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    kv_scales_per_token = True
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
