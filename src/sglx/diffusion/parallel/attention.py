@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sglx.attention.diffusion.base import DiffusionAttentionBackend
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
-from sglx.diffusion.parallel.collectives import RingExchange, gather_heads, heads_to_seq, seq_to_heads
+from sglx.diffusion.parallel.collectives import RingExchange, gather_heads, heads_to_seq, seq_to_heads_many
 from sglx.diffusion.parallel.groups import SPGroups
 from sglx.diffusion.parallel.lse_attention import LSEMerger, attention_with_lse
 from sglx.errors import SglxError
@@ -99,11 +99,9 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
             r = self.groups.ulysses_rank
             return x[:, :, r * h:(r + 1) * h]
 
-        parts = []
-        for x in (q, k, v):
-            t, i = split(x)
-            parts.append(join(my_heads(t), seq_to_heads(i, self.groups.ulysses_group, u)))
-        qh, kh, vh = parts
+        texts, images = zip(*(split(x) for x in (q, k, v)))
+        gathered = seq_to_heads_many(list(images), self.groups.ulysses_group, u)  # one all-to-all for q, k, v
+        qh, kh, vh = (join(my_heads(t), i) for t, i in zip(texts, gathered))
         if self.groups.degrees.ring > 1:
             out = self._ring(qh, kh, vh, scale, text, split, join)
         else:

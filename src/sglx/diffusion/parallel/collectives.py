@@ -24,6 +24,21 @@ def seq_to_heads(x: torch.Tensor, group: Any, degree: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, degree * s, h // degree, d)
 
 
+def seq_to_heads_many(xs: list[torch.Tensor], group: Any, degree: int) -> list[torch.Tensor]:
+    """`seq_to_heads` of same-shaped tensors (q, k, v) in ONE all-to-all: one collective instead of three."""
+    if degree == 1:
+        return list(xs)
+    if len({tuple(x.shape) for x in xs}) != 1 or len({x.dtype for x in xs}) != 1:
+        return [seq_to_heads(x, group, degree) for x in xs]
+    b, s, h, d = xs[0].shape
+    n = len(xs)
+    send = torch.stack([x.reshape(b, s, degree, h // degree, d).permute(2, 0, 1, 3, 4) for x in xs], dim=1)
+    recv = torch.empty_like(send)  # [u, n, B, s, h/u, D]
+    dist.all_to_all_single(recv, send, group=group)
+    out = recv.permute(1, 2, 0, 3, 4, 5).reshape(n, b, degree * s, h // degree, d)
+    return list(out.unbind(0))
+
+
 def heads_to_seq(x: torch.Tensor, group: Any, degree: int) -> torch.Tensor:
     """[B, degree*s, h, D] all chunks of this rank's heads -> [B, s, degree*h, D] this rank's chunk of all heads."""
     if degree == 1:
