@@ -200,3 +200,13 @@ def test_llm_refuses_sp_flags() -> None:
 
     with pytest.raises(SglxError, match="--sp-size split a diffusion model's DiT sequence; this is an LLM"):
         Engine(sp_size=2)
+
+
+def test_engine_without_ranks_says_how_to_start_them(wan_dir: Path) -> None:
+    """DiffusionEngine (sglx serve, Python) with --sp-size 2 but no process group: one line, before any weights."""
+    from sglx.diffusion.engine import DiffusionEngine
+    from sglx.llm.engine_config import EngineConfig
+
+    with pytest.raises(SglxError, match="needs one process per rank and none was started") as info:
+        DiffusionEngine(EngineConfig(model_path=str(wan_dir), device="cpu", sp_size=2))
+    assert "\n" not in str(info.value)

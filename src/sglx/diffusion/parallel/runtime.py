@@ -47,9 +47,9 @@ class SequenceParallelRuntime:
         if device.type == "cuda":
             check_devices(degrees, "cuda", torch.cuda.device_count())
         if not dist.is_initialized():
-            raise SglxError(f"{degrees.describe()} needs one process per rank: run it through `sglx generate "
-                            f"--sp-size {degrees.size}` (which starts them) or torchrun --nproc-per-node "
-                            f"{degrees.size}; `sglx serve` and the Python engine run sequence parallel only there")
+            raise SglxError(f"{degrees.describe()} needs one process per rank and none was started: use `sglx "
+                            f"generate --sp-size {degrees.size}` (it starts them) or start every rank with torchrun "
+                            f"--nproc-per-node {degrees.size}; `sglx serve` does not run sequence parallel yet")
         check_world(degrees, dist.get_world_size())
         return cls(degrees, sp_groups(degrees), [])
 
