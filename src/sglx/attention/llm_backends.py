@@ -78,7 +78,8 @@ register(BackendSpec(
     features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          sliding_window=True, multimodal=False, cuda_graph=True),
     factory="sglx.attention.llm.triton:TritonBackend",
-    notes="sglx's own kernels: any page size through kv_indices, fp8 KV with per-tensor scales, logit soft-cap; "
+    notes="sglx's own kernels: any page size through kv_indices, fp8 KV with per-token scales (or a checkpoint's "
+          "per-layer k_scale/v_scale), logit soft-cap; "
           "decode runs in CUDA graphs.",
 ))
 
