@@ -41,12 +41,13 @@ def test_sparse_backends_under_ulysses_equal_sp1(two_ranks: dict[str, dict[str, 
     assert res[f"{name}_vs_dense"] > 0.1
 
 
-def test_usp_2x2_matches_float64_sdpa() -> None:
-    """USP: Ulysses 2 inside, ring 2 across, 4 ranks."""
-    res = spawn_workers(attention_cases, 4, ([(2, 2)], "cpu", None), timeout_s=180)[0]["u2r2"]
-    for case in CASES:
-        assert res[case] < TOL, (case, res[case])
-        assert res[case + "_text_spread"] == 0.0
+def test_four_ranks_usp_ring4_ulysses4_match_float64_sdpa() -> None:
+    """4 ranks: USP (Ulysses 2 inside, ring 2 across), a ring of 4 (blocks travel 3 hops) and Ulysses 4."""
+    res = spawn_workers(attention_cases, 4, ([(2, 2), (1, 4), (4, 1)], "cpu", None), timeout_s=180)[0]
+    for split in ("u2r2", "u1r4", "u4r1"):
+        for case in CASES:
+            assert res[split][case] < TOL, (split, case, res[split][case])
+            assert res[split][case + "_text_spread"] == 0.0
 
 
 @pytest.mark.parametrize(("sp", "u", "r", "heads", "want"), [

@@ -44,11 +44,12 @@ def test_sparse_backends_under_ulysses_on_nccl_equal_sp1(tmp_path: Path, monkeyp
         assert res[f"{name}_vs_sp1"] < 1e-5 and res[f"{name}_vs_dense"] > 0.1, name
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="USP 2x2 needs 4 CUDA GPUs")
-def test_usp_2x2_on_nccl_matches_float64() -> None:
-    res = spawn_workers(attention_cases, 4, ([(2, 2)], "cuda", None), timeout_s=300)[0]["u2r2"]
-    for case in CASES:
-        assert res[case] < 1e-4, (case, res[case])
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_four_gpus_usp_ring4_ulysses4_match_float64() -> None:
+    res = spawn_workers(attention_cases, 4, ([(2, 2), (1, 4), (4, 1)], "cuda", None), timeout_s=300)[0]
+    for split in ("u2r2", "u1r4", "u4r1"):
+        for case in CASES:
+            assert res[split][case] < 1e-4, (split, case, res[split][case])
 
 
 def test_wan_and_flux_sp2_on_nccl_match_sp1(tmp_path: Path) -> None:
