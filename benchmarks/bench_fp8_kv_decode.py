@@ -137,23 +137,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="bench_fp8_kv_decode.json")
     ap.add_argument("--recall", type=int, default=0)
+    ap.add_argument("--recall-only", action="store_true", help="skip the kernel timings")
     args = ap.parse_args()
     torch.manual_seed(0)
     result: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                         shape=dict(batch=BS, context=CTX, q_heads=HQ, kv_heads=HKV, head_dim=DIM, dtype=str(DTYPE)))
-    k = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
-    v = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
-    q = torch.randn(BS, HQ, DIM, device=DEV, dtype=DTYPE)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        result["cudnn_bf16_ms"] = cudnn = median_ms(lambda q=q, k=k, v=v: sdpa_decode(q, k, v))
-    print("cuDNN bf16 contiguous", cudnn, flush=True)
     out = Path(args.output)
-    result["decode"] = [r for page in (1, 16) for r in decode_rows(page, q, k, v, cudnn)]
-    out.write_text(json.dumps(result, indent=1))  # after every section: a timeout keeps what was measured
-    del k, v
-    torch.cuda.empty_cache()
-    result["store"] = store_rows()
-    out.write_text(json.dumps(result, indent=1))
+    result["decode"], result["store"] = [], []
+    cudnn = float("nan")
+    if not args.recall_only:
+        k = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
+        v = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
+        q = torch.randn(BS, HQ, DIM, device=DEV, dtype=DTYPE)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            result["cudnn_bf16_ms"] = cudnn = median_ms(lambda q=q, k=k, v=v: sdpa_decode(q, k, v))
+        print("cuDNN bf16 contiguous", cudnn, flush=True)
+        result["decode"] = [r for page in (1, 16) for r in decode_rows(page, q, k, v, cudnn)]
+        out.write_text(json.dumps(result, indent=1))  # after every section: a timeout keeps what was measured
+        del k, v
+        torch.cuda.empty_cache()
+        result["store"] = store_rows()
+        out.write_text(json.dumps(result, indent=1))
     if args.recall:
         result["recall"] = recall_rows(args.recall)
         out.write_text(json.dumps(result, indent=1))
