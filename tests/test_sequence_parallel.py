@@ -113,6 +113,16 @@ def flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _short_text(make_tiny_flux(tmp_path_factory.mktemp("flux_sp")))
 
 
+def _expand_timesteps(src: Path, dst: Path) -> Path:
+    """A copy of a tiny Wan whose model_index.json asks for per-token timesteps (Wan2.2 TI2V's expand_timesteps)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model_index.json").read_text())
+    (dst / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    return dst
+
+
 def _short_text(path: Path) -> Path:
     """16 text tokens instead of 512 (the model's sglx.json defaults): the same code paths, a fraction of the time."""
     (path / "sglx.json").write_text(json.dumps({"defaults": {"max_sequence_length": 16}}))
@@ -130,10 +140,11 @@ def wan_sp1(wan_dir: Path) -> torch.Tensor:
 
 
 def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.Tensor, tmp_path: Path) -> None:
-    """Tiny Wan (2 heads, CFG batch of 2) and tiny FLUX.1-dev (joint text prefix, 6 image tokens) under Ulysses 2
-    give SP 1's float frames; each rank's DiT saw half the latent tokens; rank 1 skipped the VAE. Then in the
-    same 2 ranks, as under torchrun, `sglx generate --sp-size 2 --ring-degree 2` (Wan, ring attention): rank 0
-    writes SP 1's picture (to one uint8 step: PNG rounding at .5 edges) and prints the split; rank 1 is silent."""
+    """Tiny Wan (2 heads, CFG batch of 2), the same with Wan2.2 TI2V's per-token timesteps (expand_timesteps) and
+    tiny FLUX.1-dev (joint text prefix, 6 image tokens) under Ulysses 2 give SP 1's float frames; each rank's DiT
+    saw half the latent tokens; rank 1 skipped the VAE. Then in the same 2 ranks, as under torchrun, `sglx
+    generate --sp-size 2 --ring-degree 2` (Wan, ring attention): rank 0 writes SP 1's picture (to one uint8
+    step: PNG rounding at .5 edges) and prints the split; rank 1 is silent."""
     import numpy as np
     from PIL import Image
 
@@ -142,12 +153,15 @@ def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.T
 
     flux_sp1, flux_tokens = model_frames(str(flux_dir), FLUX_REQUEST)
     assert flux_tokens == 6 and flux_sp1.std() > 0.01
-    cases = [("wan_u2", str(wan_dir), WAN_REQUEST, 2, 1), ("flux_u2", str(flux_dir), FLUX_REQUEST, 2, 1)]
+    ti2v = _expand_timesteps(wan_dir, tmp_path / "wan_ti2v")
+    ti2v_sp1, _ = model_frames(str(ti2v), WAN_REQUEST)
+    cases = [("wan_u2", str(wan_dir), WAN_REQUEST, 2, 1), ("flux_u2", str(flux_dir), FLUX_REQUEST, 2, 1),
+             ("ti2v_u2", str(ti2v), WAN_REQUEST, 2, 1)]
     out = tmp_path / "sp2.png"
     cli = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--dtype", "float32", *WAN_CLI_ARGS,
            "--output", str(out), "--sp-size", "2", "--ring-degree", "2"]
     ranks = spawn_workers(pipeline_sp_cases, 2, (cases, "cpu", cli), timeout_s=300)
-    for name, ref, tokens in (("wan_u2", wan_sp1, 8), ("flux_u2", flux_sp1, 3)):
+    for name, ref, tokens in (("wan_u2", wan_sp1, 8), ("flux_u2", flux_sp1, 3), ("ti2v_u2", ti2v_sp1, 8)):
         got = torch.from_numpy(ranks[0][name])
         assert got.shape == ref.shape and ranks[0][name + "_tokens"] == ranks[1][name + "_tokens"] == tokens, name
         assert (got - ref).abs().max() < 1e-4, (name, float((got - ref).abs().max()))

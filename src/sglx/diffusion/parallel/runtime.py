@@ -66,9 +66,6 @@ class SequenceParallelRuntime:
         """Shard the pipeline's transformer(s); non-driver ranks skip the VAE decode."""
         from sglx.diffusion.parallel.sharding import shard_pipeline
 
-        if getattr(pipeline, "expand_timesteps", False):
-            raise SglxError("this Wan2.2 model modulates every token with its own timestep (expand_timesteps), which "
-                            "sglx does not split across sequence-parallel ranks yet; run it with --sp-size 1")
         self.handles = shard_pipeline(pipeline, self.groups.rank, self.degrees.size)
         if not self.is_driver:
             pipeline.decode = types.MethodType(_skip_decode, pipeline)

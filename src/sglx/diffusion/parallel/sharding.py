@@ -5,8 +5,8 @@ latent tokens, in row-major (t, h, w) order, from the patch embedding to the out
 stay whole on every rank. The output projection's result is gathered, so every rank gets the whole
 prediction, runs the same scheduler step and holds the whole latents for the VAE.
 
-- Wan: rotary tables [1, S, 1, D] (`rope` output) and the tokens entering `blocks[0]` are split; cross-attention
-  reads the replicated text. Wan2.2 TI2V's per-token timesteps are not split (refused).
+- Wan: rotary tables [1, S, 1, D] (`rope` output), the tokens entering `blocks[0]` and, for Wan2.2 TI2V's
+  per-token timesteps, the time embeddings are split; cross-attention reads the replicated text.
 - FLUX: the packed latents `hidden_states` [B, S, C] and their `img_ids` [S, 3] are split on the way in, so the
   rotary tables are [text rows, this rank's image rows], as the joint attention expects.
 """
@@ -32,15 +32,20 @@ def shard_wan(transformer: Any, rank: int, world: int) -> list[Any]:
         return tuple(_chunk(t, 1, rank, world) for t in out)
 
     def first_block_in(_module: Any, args: tuple, kwargs: dict) -> Any:
-        if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].ndim == 4:
-            raise SglxError("Wan2.2 TI2V's per-token timesteps are not split across sequence-parallel ranks; "
-                            "run this model with --sp-size 1")
         return (_chunk(args[0], 1, rank, world), *args[1:]), kwargs
+
+    def per_token_time(_module: Any, _args: Any, out: tuple) -> tuple:
+        """Wan2.2 TI2V (expand_timesteps): temb [B, S, D] and its projection [B, S, 6D] are per latent token."""
+        temb, proj, *rest = out
+        if temb.ndim == 3:
+            temb, proj = _chunk(temb, 1, rank, world), _chunk(proj, 1, rank, world)
+        return (temb, proj, *rest)
 
     def proj_out(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
         return gather_seq(out, dim=1)
 
     return [transformer.rope.register_forward_hook(rope_out),
+            transformer.condition_embedder.register_forward_hook(per_token_time),
             transformer.blocks[0].register_forward_pre_hook(first_block_in, with_kwargs=True),
             transformer.proj_out.register_forward_hook(proj_out)]
 
