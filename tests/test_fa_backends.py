@@ -304,3 +304,39 @@ def test_doctor_explains_fa3_and_fa4() -> None:
     assert ready["fa4"]["usable"] and ready["fa4"]["page_sizes"] == [128] and ready["fa4"]["cuda_graph"]
     a100 = rows(fake("cuda", gpu="NVIDIA A100", capability=(8, 0), cuda="12.4", packages=("flash_attn.cute",)))
     assert any("needs compute capability 9.0, 10.x" in r for r in a100["fa4"]["reasons"])
+
+
+# ---------------------------------------------------------------- a whole model through the calls, vs HF
+
+@pytest.mark.usefixtures("single_torch_thread")
+def test_tiny_mistral_through_fa4_prefill_and_fa3_decode_matches_hf(monkeypatch, tmp_path) -> None:
+    """Hybrid (fa4 calls for prefill, fa3 calls for decode, stand-in kernels) on a sliding-window model vs HF."""
+    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from sglx.attention.llm.fa3 import FA3Backend
+    from sglx.attention.llm.fa4 import FA4Backend
+    from sglx.attention.llm.hybrid import HybridAttentionBackend
+    from sglx.llm.models import load_model
+    from sglx.llm.tokenizer import Tokenizer
+
+    monkeypatch.setattr(PagedFlashBackend, "_check_context", lambda self, ctx: None)
+    path = make_tiny_model(tmp_path, "mistral")  # sliding window 8
+    model, _ = load_model(path, torch.float32, "cpu")
+    hf = load_hf_model(path)
+    tok = Tokenizer.from_dir(path)
+    prompts = [tok.encode(t) for t in ("The quick brown fox", "Radix trees share the prefix of prompts.")]
+    harness = PagedKVHarness(model, page_size=16)
+    ctx = harness.backend.ctx
+    harness.backend = HybridAttentionBackend(ctx, FA4Backend(ctx, kernel=fa4_standin),
+                                             FA3Backend(ctx, kernel=fa3_standin))
+    rows = [harness.new_request() for _ in prompts]
+    steps = 6
+    refs = [hf_greedy(hf, p, steps) for p in prompts]
+    logits = harness.extend(list(zip(rows, prompts)))
+    tokens = [[int(t)] for t in logits.argmax(-1)]
+    for step in range(1, steps):
+        for i, (_, ref_logits) in enumerate(refs):
+            torch.testing.assert_close(logits[i], ref_logits[step - 1], atol=1e-4, rtol=1e-4)
+        logits = harness.decode([(row, toks[-1]) for row, toks in zip(rows, tokens)])
+        for toks, t in zip(tokens, logits.argmax(-1).tolist()):
+            toks.append(t)
+    assert tokens == [ref[:steps] for ref, _ in refs]

@@ -39,8 +39,8 @@ class FA4Backend(PagedFlashBackend):
         cc = torch.cuda.get_device_capability(ctx.device)
         if cc[0] == 9 and ctx.page_size != SM90_PAGE_SIZE:
             raise self._fail(f"on SM90 ({torch.cuda.get_device_name(ctx.device)}) FA4 reads the KV cache in pages of "
-                             f"{SM90_PAGE_SIZE} tokens, and --page-size is {ctx.page_size}; use --page-size "
-                             f"{SM90_PAGE_SIZE} (or leave it unset)")
+                             f"{SM90_PAGE_SIZE} tokens, and --page-size is {ctx.page_size}",
+                             f"--page-size {SM90_PAGE_SIZE} (or leave it unset)")
 
     def _load_kernel(self) -> Any:
         return load_kernel("flash_attn.cute", "flash_attn_varlen_func", "fa4", self.instead)

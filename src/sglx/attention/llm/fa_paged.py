@@ -36,8 +36,8 @@ class PagedFlashBackend(AttentionBackend):
         self.graph: FlashGraphState | None = None
 
     # ------------------------------------------------------------------ construction checks
-    def _fail(self, what: str) -> BackendUnavailableError:
-        return BackendUnavailableError(f"attention backend {self.name}: {what}; use {self.instead}")
+    def _fail(self, what: str, instead: str | None = None) -> BackendUnavailableError:
+        return BackendUnavailableError(f"attention backend {self.name}: {what}; use {instead or self.instead}")
 
     def _check_context(self, ctx: BackendContext) -> None:
         pool = ctx.token_kv_pool
