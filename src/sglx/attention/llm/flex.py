@@ -22,7 +22,14 @@ No fp8 KV (flex takes the pool's dtype as is) and no CUDA graphs (the block mask
 Why `auto` does not compile on CUDA: on the lent H100 (torch 2.11+cu130) the compiled extend failed to
 build in Inductor in 5 of 5 step-by-step GPU tests (NoValidChoicesError, flex template out of shared
 memory, unbacked bindings); only the small engine HF-parity test passed compiled. Eager is the path the
-CPU suite proves; compiled stays opt-in until its GPU tests pass.
+CPU suite proves; compiled stays opt-in until its GPU tests pass. A probe run alone in a fresh process
+(benchmarks/probe_flex_compile.py, results/flex_probe_h100.json, 2026-11-23) narrowed this down. The page-1,
+head-dim-128 case lowered and matched float64 when compiled, for extend and decode, with dynamic or static
+shapes, with or without full blocks. The NoValidChoicesError of that case is therefore not in its own
+lowering; the suspected cause is dynamo's automatic-dynamic recompiles after earlier parametrisations in the
+same process (not yet confirmed). The head-dim-64 case (page 64, GQA 8, window 700) fails however it is
+compiled: Inductor's flex template config needs 248,832 B of shared memory, and the H100 has 232,448 B. The
+probe ran out of time before it could try smaller kernel_options.
 """
 
 from __future__ import annotations
