@@ -144,7 +144,7 @@ def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.T
     tiny FLUX.1-dev (joint text prefix, 6 image tokens) under Ulysses 2 give SP 1's float frames; each rank's DiT
     saw half the latent tokens; rank 1 skipped the VAE. Then in the same 2 ranks, as under torchrun, `sglx
     generate --sp-size 2 --ring-degree 2` (Wan, ring attention): rank 0 writes SP 1's picture (to one uint8
-    step: PNG rounding at .5 edges) and prints the split; rank 1 is silent."""
+    step: PNG rounding at .5 edges) and prints its JSON record with the split; rank 1 is silent."""
     import numpy as np
     from PIL import Image
 
@@ -159,7 +159,7 @@ def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.T
              ("ti2v_u2", str(ti2v), WAN_REQUEST, 2, 1)]
     out = tmp_path / "sp2.png"
     cli = ["generate", "--model-path", str(wan_dir), "--device", "cpu", "--dtype", "float32", *WAN_CLI_ARGS,
-           "--output", str(out), "--sp-size", "2", "--ring-degree", "2"]
+           "--output", str(out), "--sp-size", "2", "--ring-degree", "2", "--json"]
     ranks = spawn_workers(pipeline_sp_cases, 2, (cases, "cpu", cli), timeout_s=300)
     for name, ref, tokens in (("wan_u2", wan_sp1, 8), ("flux_u2", flux_sp1, 3), ("ti2v_u2", ti2v_sp1, 8)):
         got = torch.from_numpy(ranks[0][name])
@@ -167,7 +167,9 @@ def test_pipelines_sp2_match_sp1(wan_dir: Path, flux_dir: Path, wan_sp1: torch.T
         assert (got - ref).abs().max() < 1e-4, (name, float((got - ref).abs().max()))
         assert ranks[1][name].shape[0] == 0
     assert ranks[0]["cli_exit"] == ranks[1]["cli_exit"] == 0, ranks[0]["cli_output"]
-    assert "sp 2 (ulysses 1 x ring 2)" in ranks[0]["cli_output"] and ranks[1]["cli_output"] == ""
+    record = json.loads(ranks[0]["cli_output"].strip().splitlines()[-1])
+    assert record["sequence_parallel"] == "sp 2 (ulysses 1 x ring 2)" and record["path"] == str(out)
+    assert ranks[1]["cli_output"] == ""
     got_png = np.asarray(Image.open(out).convert("RGB")).astype(int)
     ref_png = to_uint8(wan_sp1)[0].astype(int)
     assert got_png.shape == ref_png.shape and np.abs(got_png - ref_png).max() <= 1

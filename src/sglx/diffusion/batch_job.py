@@ -54,6 +54,7 @@ def result_record(result: DiffusionResult, path: Path, info: dict[str, Any]) -> 
             "negative_prompt": req.negative_prompt,
             "attention_backend": result.attention_backend, "backend": info["backend"],
             "model_path": info["model_path"], "device": info["device"], "dtype": info["dtype"],
+            "sequence_parallel": info.get("sequence_parallel"),
             "timings": result.timings.to_dict()}
 
 
