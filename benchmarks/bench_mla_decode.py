@@ -27,9 +27,9 @@ from sglx.attention.kernels.common import num_sms
 from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
 from sglx.attention.kernels.mla_decode import (
     MLADecodeConfig,
-    choose_num_kv_splits,
-    head_blocks,
     mla_decode_attention,
+    mla_num_splits,
+    resolve_config,
 )
 from sglx.bench.timing import TimingBudget, median_ms
 from sglx.llm.kv_cache import ReqToTokenPool
@@ -78,8 +78,9 @@ class Case:
 
 def triton_route(case: Case, interpret: bool, config: MLADecodeConfig = MLADecodeConfig()
                  ) -> Callable[[], torch.Tensor]:
-    splits = choose_num_kv_splits(case.batch, head_blocks(case.heads, config), case.context,
-                                  num_sms(case.device), config)
+    """The kernel as the triton MLA backend launches it: config resolved for the shape, MLA's split policy."""
+    config = resolve_config(config, case.heads, case.pool.is_fp8, case.device, interpret)
+    splits = mla_num_splits(case.batch, case.heads, case.context, num_sms(case.device), config)
     out = torch.empty(case.batch, case.heads, case.r, dtype=case.dtype, device=case.device)
     mid_o = torch.empty(case.batch, case.heads, splits, case.r, dtype=torch.float32, device=case.device)
     mid_lse = torch.empty(case.batch, case.heads, splits, dtype=torch.float32, device=case.device)
@@ -186,7 +187,9 @@ def main() -> None:
             rows.append(flashinfer_row(case, device, budget))  # first: its JIT compile happens here
             log(rows)
             for config in configs:
-                name = "triton" if len(configs) == 1 else f"triton {config}"
+                resolved = resolve_config(config, case.heads, case.pool.is_fp8, device, interpret)
+                splits = mla_num_splits(case.batch, case.heads, case.context, num_sms(device), resolved)
+                name = f"triton {resolved} splits={splits}" + (" (default)" if config == MLADecodeConfig() else "")
                 try:
                     rows.append(measure(name, triton_route(case, interpret, config), case, budget))
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported

@@ -49,7 +49,8 @@ EOF
 import json, re, sys
 e = json.load(open(sys.argv[1]))["results"][0]
 route = e.get("best_triton_route", "")
-fields = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", route)}
+keep = ("block_h", "block_n", "num_warps", "num_stages", "min_chunk", "waves")
+fields = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", route) if k in keep}
 print(json.dumps([fields]))
 EOF
 )

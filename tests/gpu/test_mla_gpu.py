@@ -32,9 +32,9 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
     from sglx.attention.kernels.mla_decode import (
         MLADecodeConfig,
-        choose_num_kv_splits,
-        head_blocks,
         mla_decode_attention,
+        mla_num_splits,
+        resolve_config,
     )
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
@@ -57,8 +57,9 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
     kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
     build_kv_indices(r2t.req_to_token, torch.tensor(rows, device=DEV), kv_indptr, kv_indices)
-    config = MLADecodeConfig()
-    splits = choose_num_kv_splits(len(lens), head_blocks(heads, config), max(lens), num_sms(torch.device(DEV)), config)
+    config = resolve_config(MLADecodeConfig(), heads, pool.is_fp8, torch.device(DEV))  # what the backend launches
+    splits = mla_num_splits(len(lens), heads, max(lens), num_sms(torch.device(DEV)), config)
+    assert splits > 1  # four requests never fill the GPU: the split merge is exercised too
     q = torch.randn(len(lens), heads, r + dr, generator=gen).to(DEV, dtype)
     out = torch.empty(len(lens), heads, r, dtype=dtype, device=DEV)
     mid_o = torch.empty(len(lens), heads, splits, r, dtype=torch.float32, device=DEV)

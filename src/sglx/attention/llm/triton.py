@@ -104,8 +104,7 @@ class TritonBackend(AttentionBackend):
         meta = _Metadata(kv_indptr, kv_indices)
         bs = batch.batch_size
         if batch.mode.is_decode:
-            splits = choose_num_kv_splits(bs, self._programs_per_split(), max(batch.seq_lens_cpu, default=0),
-                                          num_sms(self.ctx.device), self.decode_config)
+            splits = self._graph_splits(bs, max(batch.seq_lens_cpu, default=0))  # the same policy as the graphs
             meta.mid_o = torch.empty((bs, self.ctx.num_q_heads, splits, self.v_head_dim), dtype=torch.float32,
                                      device=self.ctx.device)
             meta.mid_lse = torch.empty((bs, self.ctx.num_q_heads, splits), dtype=torch.float32,

@@ -11,12 +11,17 @@ CUDA-graph hooks are the MHA triton backend's (one latent "KV head"); fp8 latent
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
+from sglx.attention.kernels.common import num_sms
 from sglx.attention.kernels.extend_attention import extend_attention
-from sglx.attention.kernels.mla_decode import MLADecodeConfig, head_blocks, mla_decode_attention
+from sglx.attention.kernels.mla_decode import (
+    MLADecodeConfig,
+    head_blocks,
+    mla_decode_attention,
+    mla_num_splits,
+    resolve_config,
+)
 from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.mla_base import (
     MLAAttentionBackend,
@@ -40,13 +45,17 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        # the split count is chosen from decode_config (shared with the MHA backend): MLA's own policy
-        self.decode_config = replace(self.decode_config, waves=self.mla_decode_config.waves,
-                                     min_chunk=self.mla_decode_config.min_chunk)
+        self.mla_config = resolve_config(self.mla_decode_config, ctx.num_q_heads,
+                                         getattr(ctx.token_kv_pool, "fp8_dtype", None) is not None, ctx.device,
+                                         self.interpret)
 
     def _programs_per_split(self) -> int:
         """The MLA kernel runs one program per head block (all heads share the one latent 'KV head')."""
-        return head_blocks(self.ctx.num_q_heads, self.mla_decode_config)
+        return head_blocks(self.ctx.num_q_heads, self.mla_config)
+
+    def _graph_splits(self, bs: int, max_context: int) -> int:
+        """MLA's split policy (one split once the batch fills the GPU), for eager steps and graph buffers alike."""
+        return mla_num_splits(bs, self.ctx.num_q_heads, max_context, num_sms(self.ctx.device), self.mla_config)
 
     def forward_mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
@@ -60,7 +69,7 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
             q, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[union-attr]
             meta.mid_o, meta.mid_lse, layer.scaling, layer.kv_lora_rank,
             kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[union-attr]
-            config=self.mla_decode_config, interpret=self.interpret)
+            config=self.mla_config, interpret=self.interpret)
         return apply_uv(o_latent, proj)
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
