@@ -3,7 +3,8 @@
 #   1. install FlashInfer 0.5.3 from the carried wheels;
 #   2. run tests/gpu/test_flashinfer_gpu.py in four groups AT ONCE, so FlashInfer's JIT compiles (20-90 s per
 #      module, file-locked, each module built once) overlap;
-#      (first run: 243 s for the tests; the prefill bench then needs its FA3 module, ~60-90 s more to compile);
+#      (first run, H100: 243 s for the tests; the decode bench then took ~100 s and the prefill bench did not
+#      finish in 90 s: it reached its second shape, cause not profiled, hence the 200 s limit below);
 #   3. with the GPU quiet again, `sglx bench attention`: decode B64 Hq32/Hkv8 D128 4k context on pages 16 and 64
 #      (bf16 and fp8_e4m3 KV), causal prefill B4 H32 D128 4k (and 512 new on a 4k prefix), for flashinfer,
 #      trtllm_mha and triton against SDPA (cuDNN) on contiguous KV and FlashInfer's own wrappers.
