@@ -78,7 +78,9 @@ def upstream_vsa(qs, ks, vs, plan, ours: torch.Tensor, scale: float, device: tor
     got = run().transpose(1, 2)
     keep = real.bool()
     err = rel_err(got[:, keep], ours[:, keep].double())
-    from fastvideo_kernel import block_sparse_attn as fv_bsa
+    import importlib
+
+    fv_bsa = importlib.import_module("fastvideo_kernel.block_sparse_attn")  # the module, not its same-named function
 
     sm90 = fv_bsa._get_sm90_ops()[0] is not None and fv_bsa._is_sm90()
     record("upstream fastvideo_kernel VSA 0.875 (same cube order)", bench(run, device), rel_err_vs_sglx=err,

@@ -9,7 +9,9 @@
 #     (bench_sparse_video.py) and the 18x48x80 Wan step with the tile order kept; the 480p Wan step with each
 #     sparse backend; doctor --check again (FA4 route); STA's GPU tests on the FA4 route; tables last.
 # .whl/fvs holds fastvideo-kernel 0.3.4's Python package, .whl/fvx its compiled extension (xz) and cudart (the
-# wheel's bundled libcuda, 96 MB, is replaced by the machine's). Usage: PHASE=1 bash <this> [TAG]
+# wheel's bundled libcuda, 96 MB, is replaced by the machine's). PHASE=solo (carry .whl/fvs, .whl/fvx): one call
+# without FA4. Timeouts per step: T_TESTS, T_DOCTOR, T_SWEEP, T_BACKENDS, T_VIDEO, T_STEP, T_FA4TESTS; CASES.
+# Usage: PHASE=1 bash <this> [TAG]
 set -u
 TAG=${1:-h100}
 PHASE=${PHASE:-1}
@@ -45,30 +47,34 @@ export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$FV
 echo "fastvideo_kernel from $FV"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 TESTS="tests/test_block_sparse_attention.py tests/test_sliding_tile.py tests/test_sparse_backends.py"
-if [ "$PHASE" = 1 ]; then
-  timeout 45 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $TESTS > "$OUT/gpu_tests_sparse_triton_$TAG.txt" 2>&1
+if [ "$PHASE" = solo ]; then  # one call, no FA4 carried: Triton route only, GPU tests first, then phase 2's runs
+  timeout ${T_TESTS:-45} python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $TESTS > "$OUT/gpu_tests_sparse_triton_$TAG.txt" 2>&1
   tail -4 "$OUT/gpu_tests_sparse_triton_$TAG.txt"
-  COLUMNS=220 timeout 25 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_$TAG.txt" 2>&1
+fi
+if [ "$PHASE" = 1 ]; then
+  timeout ${T_TESTS:-45} python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $TESTS > "$OUT/gpu_tests_sparse_triton_$TAG.txt" 2>&1
+  tail -4 "$OUT/gpu_tests_sparse_triton_$TAG.txt"
+  COLUMNS=220 timeout ${T_DOCTOR:-25} python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_$TAG.txt" 2>&1
   grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_$TAG.txt" | head -8
-  timeout 65 python3 benchmarks/sweep_block_sparse.py --out "$OUT/sweep_block_sparse_$TAG.json" \
+  timeout ${T_SWEEP:-65} python3 benchmarks/sweep_block_sparse.py --out "$OUT/sweep_block_sparse_$TAG.json" \
     > "$OUT/sweep_block_sparse_$TAG.txt" 2>&1
   echo "sweep rc=$?"
   tail -4 "$OUT/sweep_block_sparse_$TAG.txt"
   exit 0
 fi
-timeout 55 python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
+timeout ${T_BACKENDS:-55} python3 benchmarks/bench_sparse_backends.py --out "$OUT/sparse_backends_$TAG.json" \
   > "$OUT/sparse_backends_$TAG.txt" 2>&1
 echo "backends bench rc=$?"
-timeout 95 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
-  --cases "18x48x80 3x3x3 (85%),wan1.3b-480p 3x3x3" \
+timeout ${T_VIDEO:-95} python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --step-order \
+  --cases "${CASES:-18x48x80 3x3x3 (85%),wan1.3b-480p 3x3x3}" \
   --out "$OUT/bench_sparse_video_$TAG.json" > "$OUT/bench_sparse_video_$TAG.txt" 2>&1
 echo "video bench rc=$?"
-timeout 60 python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --sparse-step --cases none \
+timeout ${T_STEP:-60} python3 benchmarks/bench_sparse_video.py --no-sweep --no-step --sparse-step --cases none \
   --out "$OUT/bench_sparse_step_$TAG.json" > "$OUT/bench_sparse_step_$TAG.txt" 2>&1
 echo "sparse step rc=$?"
-COLUMNS=220 timeout 20 python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
+COLUMNS=220 timeout ${T_DOCTOR:-20} python3 -m sglx doctor --family diffusion --check > "$OUT/doctor_sparse_check_fa4_$TAG.txt" 2>&1
 grep -E "sliding|video_sparse|vmoba|sparse_video" "$OUT/doctor_sparse_check_fa4_$TAG.txt" | head -8
-timeout 15 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py -k fa4 \
+timeout ${T_FA4TESTS:-15} python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_sliding_tile.py -k fa4 \
   > "$OUT/gpu_tests_sparse_fa4_$TAG.txt" 2>&1
 tail -2 "$OUT/gpu_tests_sparse_fa4_$TAG.txt"
 tail -2 "$OUT/bench_sparse_step_$TAG.txt"
