@@ -340,3 +340,15 @@ def test_tiny_mistral_through_fa4_prefill_and_fa3_decode_matches_hf(monkeypatch,
         for toks, t in zip(tokens, logits.argmax(-1).tolist()):
             toks.append(t)
     assert tokens == [ref[:steps] for ref, _ in refs]
+
+
+def test_sm90_page_rule_does_not_apply_off_gpu() -> None:
+    """On a CPU, fa4's reasons are the platform and package ones, never an SM90 page rule ("on None")."""
+    from sglx.attention.registry import availability
+    from sglx.attention.request import AttentionRequest
+
+    reasons = availability(find("fa4", "llm", "mha"), fake("cpu"), AttentionRequest(page_size=16)).reasons
+    assert any("runs on CUDA only" in r for r in reasons)
+    assert not any("page size" in r for r in reasons)
+    h100 = availability(find("fa4", "llm", "mha"), _h100(), AttentionRequest(page_size=16)).reasons
+    assert h100 == ("page size 16 is not supported: fa4 needs --page-size 128 on NVIDIA H100 80GB HBM3",)

@@ -29,7 +29,8 @@ class PageSizeRule:
     def applies(self, snap: PlatformSnapshot | None) -> bool:
         if self.on is None or snap is None:
             return self.on is None
-        return self.on.check(snap, AttentionRequest()) is None
+        # `on` names GPUs (compute capabilities), whose checks pass vacuously elsewhere: a CPU is not an SM90
+        return snap.capability is not None and self.on.check(snap, AttentionRequest()) is None
 
     def describe(self) -> str:
         sizes = ", ".join(map(str, self.sizes))
