@@ -143,13 +143,13 @@ def _step(rank: int, world: int, args: argparse.Namespace, dev: torch.device, dt
     wan_processors.install(model, backend)
     if rank == 0:
         ref = forward()
-        res["sp1_s"] = _time(forward, dev, max(1, args.iters // 4), 1, together=False)
+        res["sp1_s"] = _time(forward, dev, args.step_iters, 0, together=False)  # ref above was the warm-up
     _sync(dev)
     u = world if cfg["num_attention_heads"] % world == 0 else 1
     wan_processors.install(model, SequenceParallelBackend(backend, sp_groups(SPDegrees(u, world // u))))
     handles = shard_wan(model, rank, world)
-    got = forward()
-    res[f"u{u}r{world // u}_s"] = _time(forward, dev, max(1, args.iters // 4), 1)
+    got = forward()  # also the warm-up
+    res[f"u{u}r{world // u}_s"] = _time(forward, dev, args.step_iters, 0)
     for handle in handles:
         handle.remove()
     if rank == 0:
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--splits", default="u2r1,u1r2")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--step-iters", type=int, default=1, help="timed DiT forwards (a 14B one takes tens of s)")
     parser.add_argument("--step", action="store_true", help="also one dummy-weight Wan DiT forward")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small shapes (a logic check)")

@@ -27,7 +27,7 @@ if has tests; then
 fi
 if has bench; then
   echo "== bench_sequence_parallel (Wan2.1-14B shape, ${BACKEND:-torch_sdpa})"
-  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_sequence_parallel.py --world 2 --step \
+  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_sequence_parallel.py --world 2 --step \
     --backend "${BACKEND:-torch_sdpa}" --out "$OUT/sp_bench.json" > "$OUT/sp_bench.log" 2>&1
   echo "bench rc=$?"
   tail -40 "$OUT/sp_bench.log"
