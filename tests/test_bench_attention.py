@@ -96,7 +96,7 @@ def test_a_wrong_backend_is_reported_not_timed(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.parametrize("args,message", [
     (("--prefill-shape", "4096"), "write PREFIX:NEW"),
-    (("--backend", "fa3"), "not implemented in sglx yet"),
+    (("--backend", "dual_chunk_flash_attn"), "not implemented in sglx yet"),
     (("--num-q-heads", "6", "--num-kv-heads", "4"), "not a multiple"),
     (("--context-len", "0"), "--context-len 0"),
 ])
