@@ -8,7 +8,8 @@ back once after the last; every self-attention then receives and returns tile or
 steps, cross-attention) gives the same result in any token order. Used only where the backend offers an order
 that is a pure permutation (`step_order`: no padding slots, no joint text), the modulation is per sample (Wan2.2
 TI2V's per-token timesteps keep the per-layer path) and the blocks are called as block(hidden, context, temb,
-rotary) with the whole sequence.
+rotary) with the whole sequence (under sequence parallelism, sharding.py splits the rotary tables and the
+tokens per rank, so the per-layer path is kept).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def install_step_order(transformer: Any, backend: Any) -> bool:
         if meta is None or len(args) != 4 or not isinstance(args[3], tuple) or args[2].ndim != 3:
             return None
         hidden, context, temb, rotary = args
+        if any(t.shape[1] != hidden.shape[1] for t in rotary):  # sequence parallel: rotary already split per rank
+            return None
         order = backend.step_order(meta, hidden)
         if order is None:
             return None
