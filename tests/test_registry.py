@@ -152,7 +152,8 @@ def test_mla_backends_sglx_implements_declare_what_they_do() -> None:
     fi = spec("llm", "mla", "flashinfer")
     assert fi.implemented and fi.factory == "sglx.attention.llm.flashinfer_mla:FlashInferMLABackend"
     assert isinstance(fi.features, LLMFeatures) and fi.features.page_sizes is not None
-    assert (fi.features.page_sizes.sizes, fi.features.fp8_kv, fi.features.cuda_graph) == ((1,), False, False)
+    assert (fi.features.page_sizes.sizes, fi.features.fp8_kv, fi.features.cuda_graph) == ((1,), False, True)
+    assert fi.load().supports_cuda_graph  # importing the module needs no flashinfer
 
 
 def test_torch_native_declares_what_sglx_implements() -> None:
