@@ -292,8 +292,8 @@ def test_dummy_deepseek_v2_lite_one_batch(tmp_path: Path) -> None:
     report = run_one_batch(EngineConfig(model_path="deepseek-v2-lite", load_format="dummy", device="cuda",
                                         max_total_tokens=65536),
                            OneBatchConfig(batch_sizes=(1, 32), input_len=512, output_len=8))
-    for result in report["results"]:
-        assert result["ratio_to_floor"] < 3.0, result  # the target is 1.5x; this only guards regressions
+    for result in report["results"]:  # H100, session 4: 2.91x at batch 1, 1.32x at batch 32 (target 1.5x)
+        assert result["ratio_to_floor"] < (3.5 if result["batch_size"] == 1 else 1.6), result  # regression guards
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch_native"])
