@@ -171,9 +171,13 @@ def test_auto_mha(name, packages, without, broken, chosen, page, lost) -> None: 
 
 AUTO_MLA = [
     pytest.param("h100_cu124", ALL, (), "fa3", 1, {}, id="h100-cu124-fa3"),
-    pytest.param("h100_cu122", ALL, (), "triton", 1, {"fa3": ("CUDA >= 12.3", "12.2")}, id="h100-cu122-triton"),
-    pytest.param("h100_cu124", ALL, ("flash_attn_interface",), "triton", 1,
+    pytest.param("h100_cu122", ALL, (), "flashinfer", 1, {"fa3": ("CUDA >= 12.3", "12.2")},
+                 id="h100-cu122-flashinfer"),
+    pytest.param("h100_cu124", ALL, ("flash_attn_interface",), "flashinfer", 1,
                  {"fa3": ("flash_attn_interface " + NOT_INSTALLED,)}, id="h100-no-fa3-pkg"),
+    pytest.param("h100_cu124", ALL, ("flash_attn_interface", "flashinfer"), "triton", 1,
+                 {"fa3": ("flash_attn_interface " + NOT_INSTALLED,), "flashinfer": ("flashinfer " + NOT_INSTALLED,)},
+                 id="h100-no-fa3-no-flashinfer"),
     pytest.param("a100", ALL, (), "triton", 1, {}, id="a100-triton"),
     pytest.param("l40s", ALL, (), "triton", 1, {}, id="l40s-triton"),
     pytest.param("b200", ALL, (), "trtllm_mla", 64, {}, id="b200-trtllm_mla"),
@@ -220,6 +224,7 @@ def test_auto_mla_nothing_runs(name, packages, needles) -> None:  # type: ignore
     ("b200", "mha", ["trtllm_mha", "flashinfer", "triton", "torch_native"]),
     ("rtx5090", "mha", ["flashinfer", "triton", "torch_native"]),
     ("a100", "mla", ["triton", "torch_native"]),
+    ("h100_cu124", "mla", ["fa3", "flashinfer", "triton", "torch_native"]),
     ("b200", "mla", ["trtllm_mla", "triton", "torch_native"]),
     ("mi300", "mha", ["aiter", "triton", "torch_native"]),
     ("ascend", "mla", ["ascend", "torch_native"]),
@@ -553,9 +558,12 @@ def test_real_registry_mha_picks_only_implemented(name: str) -> None:
 
 @pytest.mark.parametrize("name", REAL_MACHINES)
 def test_real_registry_mla_picks_only_implemented(name: str) -> None:
-    """sglx implements triton and torch_native MLA: auto lands on triton on any GPU, else torch_native."""
+    """sglx implements flashinfer, triton and torch_native MLA: auto lands on flashinfer on Hopper (fa3's MLA is
+    not implemented), on triton on other GPUs, else on torch_native."""
     sel = select_llm(machine(name), MLA, LLMBackendArgs())
     expected = "triton" if MACHINES[name][0] in ("cuda", "rocm", "xpu") else "torch_native"
+    if name.startswith("h100"):
+        expected = "flashinfer"
     assert (sel.decode, sel.page_size, sel.source) == (expected, 1, "auto")
     lost = passed_over(sel.considered)
     order = [n for n, _ in llm_auto_candidates(machine(name), "mla")]

@@ -145,6 +145,9 @@ def llm_auto_candidates(snap: PlatformSnapshot, kind: Kind) -> tuple[tuple[str, 
             out.append(("triton", "triton is the portable fallback on CUDA"))
             out.append(("torch_native", "torch_native runs everywhere"))
         else:
+            if cc is not None and cc[0] == 9:  # the guide's fa3 absent: the fastest MLA measured on Hopper
+                out.append(("flashinfer", "without fa3, Hopper takes FlashInfer MLA, the fastest MLA decode measured "
+                                          "on an H100 (docs/benchmarks.md)"))
             out.append(("triton", "MLA falls back to triton"))
             out.append(("torch_native", "torch_native (MLA reference) runs everywhere"))
     elif snap.device_kind == "rocm":
