@@ -17,7 +17,7 @@ def _state(request: Request) -> DiffusionServerState:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    return health_response(not state.stopping and state.queue.alive)
+    return health_response(not state.stopping and state.queue.alive, getattr(state.engine, "failure", None))
 
 
 async def models(request: Request) -> Response:

@@ -18,8 +18,12 @@ def _state(request: Request) -> ServerState:
     return request.app.state.sglx
 
 
-def health_response(serving: bool) -> Response:
-    """200 while the server takes requests; 503 while it drains or its engine stopped (load balancers look here)."""
+def health_response(serving: bool, failure: BaseException | None = None) -> Response:
+    """200 while the server takes requests; 503 while it drains or its engine stopped (load balancers look here).
+
+    `failure`: why the engine cannot serve any more (a rank of its parallel group died), its one line in "error"."""
+    if failure is not None:
+        return JSONResponse({"status": "unavailable", "error": str(failure)}, status_code=503)
     return JSONResponse({"status": "ok"} if serving else {"status": "unavailable"}, status_code=200 if serving else 503)
 
 

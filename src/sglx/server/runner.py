@@ -109,7 +109,7 @@ def diffusion_startup_lines(info: dict[str, Any], model_name: str, config: Serve
     d = info["defaults"]
     return [
         f"[sglx] model {model_name} ({info['model_path']}), {info['pipeline']}, --backend {info['backend']}, "
-        f"{info['device']} {info['dtype']}",
+        f"{info['device']} {info['dtype']}" + (f", {sp}" if (sp := info.get("sequence_parallel")) else ""),
         f"[sglx] attention backend: {info['attention_backend']} (selection: {info['attention_source']}; why: "
         f"{info['attention_why']})",
         f"[sglx] defaults {d['width']}x{d['height']}, {d['num_frames']} frame(s) at {d['fps']} fps, "
@@ -122,10 +122,14 @@ def diffusion_startup_lines(info: dict[str, Any], model_name: str, config: Serve
 def run_diffusion_server(engine_config: EngineConfig, config: ServerConfig, backend: str = "sglx") -> int:
     """Blocking: serve a diffusion model until SIGINT/SIGTERM; returns the process exit code."""
     from sglx.diffusion.engine import DiffusionEngine
+    from sglx.diffusion.parallel.serving import SPServingEngine, wants_sequence_parallel
     from sglx.server.diffusion_app import create_diffusion_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = DiffusionEngine(engine_config, backend=backend)
+    if wants_sequence_parallel(engine_config, backend):  # --sp-size N: this process is rank 0 of N
+        engine: Any = SPServingEngine(engine_config, backend=backend)
+    else:
+        engine = DiffusionEngine(engine_config, backend=backend)
     try:
         app = create_diffusion_app(engine, config)
         for line in diffusion_startup_lines(engine.info, app.state.sglx.model_name, config):

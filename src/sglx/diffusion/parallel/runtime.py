@@ -49,7 +49,7 @@ class SequenceParallelRuntime:
         if not dist.is_initialized():
             raise SglxError(f"{degrees.describe()} needs one process per rank and none was started: use `sglx "
                             f"generate --sp-size {degrees.size}` (it starts them) or start every rank with torchrun "
-                            f"--nproc-per-node {degrees.size}; `sglx serve` does not run sequence parallel yet")
+                            f"--nproc-per-node {degrees.size}; `sglx serve --sp-size {degrees.size}` starts them too")
         check_world(degrees, dist.get_world_size())
         return cls(degrees, sp_groups(degrees), [])
 
