@@ -197,8 +197,6 @@ class DiffusionEngine:
     def resolve(self, request: DiffusionRequest) -> ResolvedRequest:
         req = request.resolved(self.defaults, self.config.seed)
         self.pipeline.validate(req)
-        if self.sp is not None:
-            self.sp.check_request(self.pipeline, req)
         return req
 
     def generate(self, request: DiffusionRequest, progress: ProgressFn | None = None) -> DiffusionResult:

@@ -66,7 +66,7 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
         self._ring_logged = False
 
     def local_seq_len(self, meta: DiTAttnMetadata) -> int:
-        return meta.image_tokens // self.groups.world_size + meta.text_tokens
+        return -(-meta.image_tokens // self.groups.world_size) + meta.text_tokens  # padded chunks (sharding.py)
 
     def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       scale: float | None = None) -> torch.Tensor:
@@ -79,7 +79,7 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
         text, prefix = (meta.text_tokens, meta.text_position == "prefix") if meta is not None else (0, True)
         if meta is not None and q.shape[1] != self.local_seq_len(meta):
             raise RuntimeError(f"DiT layer {layer}: rank {self.groups.rank} holds {q.shape[1]} tokens, expected "
-                               f"{meta.image_tokens} / {self.groups.world_size} latent + {text} text")
+                               f"ceil({meta.image_tokens} / {self.groups.world_size}) latent + {text} text")
         if k.shape[2] != q.shape[2] and k.shape[2] % u:  # too few KV heads to split: give every query head its own
             rep = q.shape[2] // k.shape[2]
             k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
@@ -100,21 +100,30 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
             return x[:, :, r * h:(r + 1) * h]
 
         texts, images = zip(*(split(x) for x in (q, k, v)))
+        tokens = images[0].shape[1] * self.groups.world_size if meta is None else meta.image_tokens  # unpadded
         gathered = seq_to_heads_many(list(images), self.groups.ulysses_group, u)  # one all-to-all for q, k, v
-        qh, kh, vh = (join(my_heads(t), i) for t, i in zip(texts, gathered))
         if self.groups.degrees.ring > 1:
-            out = self._ring(qh, kh, vh, scale, text, split, join)
-        else:
+            qh, kh, vh = (join(my_heads(t), i) for t, i in zip(texts, gathered))
+            out = self._ring(qh, kh, vh, scale, text, split, join, tokens)
+            out_t, out_i = split(out)
+        else:  # the whole latent sequence is here: the padding (its tail) is cut off, the grid's own tokens remain
+            padded = gathered[0].shape[1]
+            qh, kh, vh = (join(my_heads(t), i[:, :tokens]) for t, i in zip(texts, gathered))
             head_offset = self.groups.ulysses_rank * (q.shape[2] // u)
             sub = None if meta is None else replace(meta, head_offset=head_offset)
             out = self.inner.forward(qh, kh, vh, scale=scale, meta=sub, layer=layer)
-        out_t, out_i = split(out)
+            out_t, out_i = split(out)
+            if padded > tokens:
+                out_i = torch.cat([out_i, out_i.new_zeros(out_i.shape[0], padded - tokens, *out_i.shape[2:])], 1)
         group = self.groups.ulysses_group
         return join(gather_heads(out_t, group, u), heads_to_seq(out_i, group, u))
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, text: int,
-              split, join) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        """Ring attention over the ring group: q stays, latent key/value blocks go round, results merge by LSE."""
+              split, join, tokens: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Ring attention over the ring group: q stays, latent key/value blocks go round, results merge by LSE.
+
+        Ring member j's block is the latent super-chunk [j*L, (j+1)*L) of the padded sequence; keys at `tokens`
+        and beyond are padding and are left out (a block of padding only adds nothing)."""
         g = self.groups
         if not self._ring_logged:
             log.info("ring attention (degree %d): per-block attention on PyTorch's SDPA kernels with log-sum-exp; "
@@ -126,12 +135,16 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
         exchange = RingExchange(g.ring_group, g.ring_ranks, g.rank)
         merger = LSEMerger()
         steps = g.degrees.ring
+        block = k_img.shape[1]
         for step in range(steps):
             incoming = exchange.start(kv) if step < steps - 1 else None
-            kb, vb = kv[0], kv[1]
+            source = (g.ring_rank - step) % steps  # the ring member whose block this is
+            valid = min(max(tokens - source * block, 0), block)
+            kb, vb = kv[0][:, :valid], kv[1][:, :valid]
             if step == 0 and text:  # text keys are whole on every rank: attend them once, with the own block
                 kb, vb = join(k_text, kb), join(v_text, vb)
-            merger.add(*attention_with_lse(q, kb, vb, scale))
+            if kb.shape[1]:
+                merger.add(*attention_with_lse(q, kb, vb, scale))
             if incoming is not None:
                 exchange.wait()
                 kv = incoming

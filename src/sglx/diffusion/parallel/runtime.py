@@ -70,15 +70,6 @@ class SequenceParallelRuntime:
         if not self.is_driver:
             pipeline.decode = types.MethodType(_skip_decode, pipeline)
 
-    def check_request(self, pipeline: Any, req: Any) -> None:
-        from sglx.diffusion.parallel.sharding import latent_tokens
-
-        tokens = latent_tokens(pipeline, req)
-        if tokens % self.degrees.size:
-            raise SglxError(f"{req.num_frames}x{req.height}x{req.width} makes {tokens} latent tokens, which do not "
-                            f"split evenly over {self.degrees.describe()}; pick --height/--width/--num-frames whose "
-                            f"token count divides by {self.degrees.size}, or another --sp-size")
-
 
 def _skip_decode(self: Any, latents: torch.Tensor, *args: Any) -> torch.Tensor:
     """Ranks other than 0 write nothing, so they do not decode: an empty frame stack."""

@@ -2,8 +2,10 @@
 
 Forward hooks on the diffusers transformer (no copy of its forward): each rank keeps chunk `rank` of the
 latent tokens, in row-major (t, h, w) order, from the patch embedding to the output projection; text tokens
-stay whole on every rank. The output projection's result is gathered, so every rank gets the whole
-prediction, runs the same scheduler step and holds the whole latents for the VAE.
+stay whole on every rank. A token count that does not divide by the ranks is zero-padded at the end (the last
+rank(s) hold the padding; attention.py leaves padded keys out, the gather cuts their outputs off). The output
+projection's result is gathered, so every rank gets the whole prediction, runs the same scheduler step and holds
+the whole latents for the VAE.
 
 - Wan: rotary tables [1, S, 1, D] (`rope` output), the tokens entering `blocks[0]` and, for Wan2.2 TI2V's
   per-token timesteps, the time embeddings are split; cross-attention reads the replicated text.
@@ -21,14 +23,32 @@ from sglx.diffusion.parallel.collectives import gather_seq
 from sglx.errors import SglxError
 
 
+def padded_len(tokens: int, world: int) -> int:
+    """The latent length every rank's chunk adds up to: `tokens` rounded up to a multiple of `world`."""
+    return -(-tokens // world) * world
+
+
 def _chunk(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    if x.shape[dim] % world:
-        raise SglxError(f"{x.shape[dim]} latent tokens do not split evenly over {world} sequence-parallel ranks")
+    """Chunk `rank` of `x` along `dim`, zero-padded at the end to a multiple of `world` (attention leaves the
+    padded keys out; their outputs are cut off after the gather)."""
+    pad = padded_len(x.shape[dim], world) - x.shape[dim]
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 
+def _gather(out: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Every rank's chunk along dim 1, the padding cut off."""
+    return gather_seq(out, dim=1)[:, :tokens]
+
+
 def shard_wan(transformer: Any, rank: int, world: int) -> list[Any]:
+    seen = {"tokens": 0}  # this forward's latent tokens before padding (the rotary tables cover all of them)
+
     def rope_out(_module: Any, _args: Any, out: Any) -> Any:
+        seen["tokens"] = out[0].shape[1]
         return tuple(_chunk(t, 1, rank, world) for t in out)
 
     def first_block_in(_module: Any, args: tuple, kwargs: dict) -> Any:
@@ -42,7 +62,7 @@ def shard_wan(transformer: Any, rank: int, world: int) -> list[Any]:
         return (temb, proj, *rest)
 
     def proj_out(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        return gather_seq(out, dim=1)
+        return _gather(out, seen["tokens"])
 
     return [transformer.rope.register_forward_hook(rope_out),
             transformer.condition_embedder.register_forward_hook(per_token_time),
@@ -51,16 +71,19 @@ def shard_wan(transformer: Any, rank: int, world: int) -> list[Any]:
 
 
 def shard_flux(transformer: Any, rank: int, world: int) -> list[Any]:
+    seen = {"tokens": 0}  # this forward's latent tokens before padding
+
     def inputs(_module: Any, args: tuple, kwargs: dict) -> Any:
         if args or "hidden_states" not in kwargs or "img_ids" not in kwargs:
             raise RuntimeError("sequence-parallel FLUX expects hidden_states= and img_ids= keyword arguments")
+        seen["tokens"] = kwargs["hidden_states"].shape[1]
         img_ids = kwargs["img_ids"]
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         return args, {**kwargs, "hidden_states": _chunk(kwargs["hidden_states"], 1, rank, world),
                       "img_ids": _chunk(img_ids, 0, rank, world)}
 
     def proj_out(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        return gather_seq(out, dim=1)
+        return _gather(out, seen["tokens"])
 
     return [transformer.register_forward_pre_hook(inputs, with_kwargs=True),
             transformer.proj_out.register_forward_hook(proj_out)]
