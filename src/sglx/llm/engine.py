@@ -63,7 +63,8 @@ class Engine:
             SchedulerConfig(max_running_requests=mem.max_running_requests, context_length=mem.context_length,
                             max_prefill_tokens=self.config.max_prefill_tokens,
                             chunked_prefill_size=self.config.chunked_prefill,
-                            enable_mixed_chunk=self.config.enable_mixed_chunk),
+                            enable_mixed_chunk=self.config.enable_mixed_chunk,
+                            enable_overlap=not self.config.disable_overlap_schedule),
             disable_radix_cache=self.config.disable_radix_cache,
         )
         self._counter = itertools.count()
@@ -87,7 +88,8 @@ class Engine:
         """What runs: model, attention backend(s), page size, KV pool size, ..."""
         return {"model_path": self.runner.model_path, "architecture": self.model_config.architecture,
                 **self.runner.describe(), "radix_cache": not self.config.disable_radix_cache,
-                "chunked_prefill_size": self.config.chunked_prefill}
+                "chunked_prefill_size": self.config.chunked_prefill,
+                "overlap_schedule": not self.config.disable_overlap_schedule}
 
     def free_kv_slots(self) -> int:
         return int(self.scheduler.call(self.allocator.available_size))  # type: ignore[arg-type]
@@ -109,11 +111,17 @@ class Engine:
         text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def failure(self) -> SglxError | None:
+        """With --tp-size N: the first rank failure (one line) once the group broke, else None (/health reads it)."""
+        driver = getattr(self.runner, "tp_driver", None)
+        return None if driver is None else driver.workers.failure
+
     def _check_parallel(self) -> None:
         """With --tp-size N: raise the first worker rank's failure (one line); the engine cannot run on."""
-        driver = getattr(self.runner, "tp_driver", None)
-        if driver is not None and driver.workers.failure is not None:
-            raise driver.workers.failure
+        failure = self.failure
+        if failure is not None:
+            raise failure
 
     def _make_request(self, prompt: Prompt | None, input_ids: Sequence[int] | None, params: ParamsLike,
                       on_output: Any, stream: bool, return_logprob: bool = False, top_logprobs: int = 0) -> Request:

@@ -36,7 +36,8 @@ def model_list(state: Any, root: str, **extra: Any) -> Response:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    return health_response(not state.stopping and state.engine.scheduler.alive)
+    return health_response(not state.stopping and state.engine.scheduler.alive,
+                           getattr(state.engine, "failure", None))  # a broken TP group: its one line
 
 
 async def models(request: Request) -> Response:
