@@ -265,10 +265,34 @@ def diffusion(
     warmup_ms: float | None = typer.Option(None, "--warmup-ms", help="Warm-up time per timed call."),
     rep_ms: float | None = typer.Option(None, "--rep-ms", help="Time spent on timed runs per call (median)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs and weights."),
+    attention_backend: list[str] | None = typer.Option(
+        None, "--attention-backend",
+        help="Sparse comparison: backends to put side by side on --canvas (repeatable or comma list; sparse and "
+             "dense ones), with dense baselines, FlexAttention at each sparse mask and fastvideo-kernel where it "
+             "imports. Runs instead of the shape table and the Wan step."),
+    attention_backend_config: list[str] | None = typer.Option(
+        None, "--attention-backend-config",
+        help="Config of a compared backend (file, JSON or k=v), repeatable: paired with --attention-backend by "
+             "position, or prefixed NAME: (e.g. video_sparse_attn:sparsity=0.875)."),
+    canvas: str | None = typer.Option(
+        None, "--canvas",
+        help="Sparse comparison: latent token grid TxHxW, e.g. 18x48x80 (default: Wan's grid of "
+             "--num-frames/--height/--width)."),
+    heads: int = typer.Option(12, "--heads", help="Sparse comparison: attention heads."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Sparse comparison: head dimension."),
+    text_tokens: int = typer.Option(0, "--text-tokens", help="Sparse comparison: joint text tokens before the video."),
+    layer: int | None = typer.Option(None, "--layer", help="Sparse comparison: DiT layer of the call (default: the "
+                                                          "last of --num-layers; VMoBA cycles chunk shapes by layer)."),
+    no_anchors: bool = typer.Option(False, "--no-anchors", help="Sparse comparison: skip FlexAttention and "
+                                                                "fastvideo-kernel at each sparse mask."),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
 ) -> None:
-    """DiT attention at Wan/FLUX shapes vs cuDNN SDPA and FA4, and one dummy Wan2.1-1.3B step vs diffusers."""
+    """DiT attention at Wan/FLUX shapes vs cuDNN SDPA and FA4, and one dummy Wan2.1-1.3B step vs diffusers.
+
+    With --attention-backend: those backends (sparse ones with their configs) side by side on one canvas, e.g.
+    `sglx bench diffusion --canvas 18x48x80 --attention-backend video_sparse_attn,vmoba_attn
+    --attention-backend-config video_sparse_attn:sparsity=0.875`."""
     from rich.console import Console
 
     from sglx.bench.diffusion import DiffusionAttentionBenchConfig
@@ -277,6 +301,10 @@ def diffusion(
     from sglx.llm.model_runner import resolve_device
 
     try:
+        if attention_backend or attention_backend_config or canvas:
+            return _sparse_compare(attention_backend or [], attention_backend_config or [], canvas, num_frames,
+                                   height, width, heads, head_dim, text_tokens, num_layers, layer, dtype, device,
+                                   no_baselines, no_anchors, warmup_ms, rep_ms, seed, json_output, output)
         if attention_only and step_only:
             raise SglxError("--attention-only and --step-only exclude each other")
         dev = resolve_device(Device(device).value)
@@ -300,4 +328,46 @@ def diffusion(
     for message in report["failed"]:
         typer.echo(f"error: {message}", err=True)
     if report["failed"]:
+        raise typer.Exit(1)
+
+
+def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None, frames: int, height: int,
+                    width: int, heads: int, head_dim: int, text_tokens: int, num_layers: int | None,
+                    layer: int | None, dtype: object, device: object, no_baselines: bool, no_anchors: bool,
+                    warmup_ms: float | None, rep_ms: float | None, seed: int, json_output: bool,
+                    output: Path | None) -> None:
+    """`sglx bench diffusion --attention-backend ...`: parse, run sglx.bench.diffusion_sparse, print."""
+    from rich.console import Console
+
+    from sglx.bench.diffusion_report import environment
+    from sglx.bench.diffusion_sparse import (
+        SparseCompareConfig,
+        canvas_from_video,
+        compare_table,
+        pair_backends,
+        parse_canvas,
+        run_sparse_compare,
+    )
+    from sglx.llm.model_runner import resolve_device, snapshot_for
+
+    try:
+        grid = parse_canvas(canvas) if canvas else canvas_from_video(frames, height, width)
+        config = SparseCompareConfig(
+            canvas=grid, backends=pair_backends(backends, configs), heads=heads, head_dim=head_dim,
+            text_tokens=text_tokens, num_layers=num_layers or 30, layer=layer,
+            dtype=BenchDtype(dtype).value if dtype else None, baselines=not no_baselines, anchors=not no_anchors,
+            warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed)
+        dev = resolve_device(Device(device).value)
+        err = Console(stderr=True)
+        with err.status("sglx bench diffusion (sparse comparison)") as status:
+            sparse = run_sparse_compare(config, dev, snapshot_for(dev), progress=lambda m: status.update(m))
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    failed = [f"{r['backend']}: {r['error']}" for r in sparse["rows"] if r["kind"] == "sglx" and r.get("error")]
+    report = {"environment": environment(dev), "sparse": sparse, "failed": failed}
+    _write_report(report, json_output, output, compare_table(report))
+    for message in failed:
+        typer.echo(f"error: {message}", err=True)
+    if failed:
         raise typer.Exit(1)

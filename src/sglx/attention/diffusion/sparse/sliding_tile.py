@@ -137,6 +137,12 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         self.block = block
         self.route: str | None = None  # the kernel the last sparse call ran (routes.pick_route), and why
         self.route_why = ""
+        self.last_layout: BlockSparseLayout | None = None  # the last sparse call's layout (density reports)
+
+    @property
+    def last_density(self) -> float | None:
+        """Share of block pairs the last sparse call computed (None before one)."""
+        return None if self.last_layout is None else self.last_layout.density()
 
     def forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       scale: float | None = None) -> torch.Tensor:
@@ -201,6 +207,7 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
         if route != self.route:  # shown once per change: which kernel STA runs and why
             log.info("sliding_tile_attn: block-sparse route %s (%s)", route, why)
         self.route, self.route_why = route, why
+        self.last_layout = layout
         ahead = step_tile_order()
         if order.identity or ahead is order:  # tokens already in tile order (kept so for the whole step)
             return run_block_sparse(q, k, v, layout, scale, route)
