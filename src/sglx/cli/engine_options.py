@@ -132,6 +132,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("disable_cuda_graph", "--disable-cuda-graph", bool, False,
                "Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a "
                "decode backend that supports them, e.g. triton)."),
+    EngineFlag("disable_overlap_schedule", "--disable-overlap-schedule", bool, False,
+               "Schedule each step only after reading the previous step's sampled tokens (by default the host "
+               "schedules and launches step n+1 while the device runs step n; outputs are the same)."),
     EngineFlag("sp_size", "--sp-size", int | None, None,
                "Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on "
                "CUDA with NCCL, gloo on CPU) = --ulysses-degree x --ring-degree. Default 1."),

@@ -33,7 +33,8 @@ LLM_ONLY_FLAGS = {
     "chunked_prefill_size": "--chunked-prefill-size", "max_prefill_tokens": "--max-prefill-tokens",
     "enable_mixed_chunk": "--enable-mixed-chunk", "disable_radix_cache": "--disable-radix-cache",
     "context_length": "--context-length", "cuda_graph_max_bs": "--cuda-graph-max-bs",
-    "disable_cuda_graph": "--disable-cuda-graph", "tp_size": "--tp-size",
+    "disable_cuda_graph": "--disable-cuda-graph", "disable_overlap_schedule": "--disable-overlap-schedule",
+    "tp_size": "--tp-size",
     "dp_size": "--dp-size",
 }
 

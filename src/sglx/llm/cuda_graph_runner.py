@@ -11,6 +11,9 @@ padding never touches a real request's KV. The attention backend keeps its own s
 
 Whether graphs run is decided by `cuda_graph_plan`, which also says why not (CPU device,
 --disable-cuda-graph, a backend without graph support) for logs, `sglx generate` and `--json`.
+
+The graph runner gets what it captures through `GraphTarget` (the model's forward, the backend, the
+pools and the device), given by its owner: it never reaches back into the model runner.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,7 +31,9 @@ from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kernels import use_fused
 
 if TYPE_CHECKING:
-    from sglx.llm.model_runner import ModelRunner
+    from sglx.attention.llm.base import AttentionBackend
+    from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,25 @@ def cuda_graph_plan(device: torch.device, backend_name: str, backend_supports: b
         return CudaGraphPlan(False, limit, (), why)
     sizes = tuple(capture_batch_sizes(limit))
     return CudaGraphPlan(True, limit, sizes, f"decode batches of up to {limit} requests replay captured graphs")
+
+
+class BatchSources(Protocol):
+    """What a captured batch points at besides its inputs: the pools and the attention backend."""
+
+    req_to_token_pool: ReqToTokenPool
+    token_kv_pool: TokenKVPool | MLATokenKVPool
+    backend: AttentionBackend | None
+
+
+@dataclass(frozen=True)
+class GraphTarget:
+    """Everything the graph runner captures, handed over by its owner (the model runner)."""
+
+    device: torch.device
+    model: Callable[[ForwardBatch], torch.Tensor]  # the model's forward: logits of each request's last token
+    backend: AttentionBackend
+    req_to_token_pool: ReqToTokenPool
+    token_kv_pool: TokenKVPool | MLATokenKVPool
 
 
 class DecodeInputBuffers:
@@ -148,31 +173,31 @@ class DecodeInputBuffers:
         self.packed.copy_(host, non_blocking=True)  # whole buffer: contiguous, one memcpy of a few KB
         self._host_done.record()
 
-    def batch(self, bucket: int, runner: ModelRunner, seq_lens_cpu: list[int]) -> ForwardBatch:
+    def batch(self, bucket: int, sources: BatchSources, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE ForwardBatch over the first `bucket` entries (views: captured addresses never change)."""
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=self.input_ids[:bucket], positions=self.positions[:bucket],
             req_pool_indices=self.req_pool_indices[:bucket], seq_lens=self.seq_lens[:bucket],
-            out_cache_loc=self.out_cache_loc[:bucket], req_to_token_pool=runner.req_to_token_pool,
-            token_kv_pool=runner.token_kv_pool, attn_backend=runner.backend, seq_lens_cpu=seq_lens_cpu)
+            out_cache_loc=self.out_cache_loc[:bucket], req_to_token_pool=sources.req_to_token_pool,
+            token_kv_pool=sources.token_kv_pool, attn_backend=sources.backend, seq_lens_cpu=seq_lens_cpu)
 
 
 class CudaGraphRunner:
     """Captures one decode graph per bucket at start-up and replays it for every decode step it fits."""
 
-    def __init__(self, runner: ModelRunner, plan: CudaGraphPlan) -> None:
-        self.runner = runner
+    def __init__(self, target: GraphTarget, plan: CudaGraphPlan) -> None:
+        self.target = target
         self.plan = plan
         self.buckets = list(plan.batch_sizes)
         self.max_bs = plan.max_bs
-        self.fill_seq_len = runner.backend.get_cuda_graph_seq_len_fill_value()
-        self.buffers = DecodeInputBuffers(self.max_bs, runner.device)
+        self.fill_seq_len = target.backend.get_cuda_graph_seq_len_fill_value()
+        self.buffers = DecodeInputBuffers(self.max_bs, target.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}  # per bucket: argmax of the logits, captured with them
         self.last_greedy: torch.Tensor | None = None  # greedy tokens of the latest replay (a view)
         self.replays = 0
-        runner.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        target.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         started = time.perf_counter()
         self._capture_all()
         self.capture_seconds = time.perf_counter() - started
@@ -186,29 +211,29 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.runner.device)
+        stream = torch.cuda.Stream(device=self.target.device)
         for bucket in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
             seq_lens_cpu = [self.fill_seq_len] * bucket
             self.buffers.seq_lens[:bucket].fill_(self.fill_seq_len)
-            batch = self.buffers.batch(bucket, self.runner, seq_lens_cpu)
-            backend = self.runner.backend
+            batch = self.buffers.batch(bucket, self.target, seq_lens_cpu)
+            backend = self.target.backend
             backend.init_forward_metadata_capture_cuda_graph(bucket, batch.req_pool_indices, batch.seq_lens)
-            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            stream.wait_stream(torch.cuda.current_stream(self.target.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
                     backend.init_forward_metadata_in_graph(bucket)
-                    self._greedy_of(self.runner.model(batch))
-            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+                    self._greedy_of(self.target.model(batch))
+            torch.cuda.current_stream(self.target.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
-                out = self.runner.model(batch)
+                out = self.target.model(batch)
                 greedy = self._greedy_of(out)
             self.graphs[bucket] = graph
             self.outputs[bucket] = out
             if greedy is not None:
                 self.greedy[bucket] = greedy
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.target.device)
 
     @staticmethod
     def _greedy_of(logits: torch.Tensor) -> torch.Tensor | None:
@@ -226,7 +251,7 @@ class CudaGraphRunner:
         assert bucket is not None, "can_run(batch) must be checked first"
         seq_lens_cpu = self.buffers.fill(batch, bucket, self.fill_seq_len)
         b = self.buffers
-        self.runner.backend.init_forward_metadata_replay_cuda_graph(bucket, b.req_pool_indices[:bucket],
+        self.target.backend.init_forward_metadata_replay_cuda_graph(bucket, b.req_pool_indices[:bucket],
                                                                     b.seq_lens[:bucket], seq_lens_cpu)
         self.graphs[bucket].replay()
         self.replays += 1

@@ -63,7 +63,8 @@ class Engine:
             SchedulerConfig(max_running_requests=mem.max_running_requests, context_length=mem.context_length,
                             max_prefill_tokens=self.config.max_prefill_tokens,
                             chunked_prefill_size=self.config.chunked_prefill,
-                            enable_mixed_chunk=self.config.enable_mixed_chunk),
+                            enable_mixed_chunk=self.config.enable_mixed_chunk,
+                            enable_overlap=not self.config.disable_overlap_schedule),
             disable_radix_cache=self.config.disable_radix_cache,
         )
         self._counter = itertools.count()
@@ -87,7 +88,8 @@ class Engine:
         """What runs: model, attention backend(s), page size, KV pool size, ..."""
         return {"model_path": self.runner.model_path, "architecture": self.model_config.architecture,
                 **self.runner.describe(), "radix_cache": not self.config.disable_radix_cache,
-                "chunked_prefill_size": self.config.chunked_prefill}
+                "chunked_prefill_size": self.config.chunked_prefill,
+                "overlap_schedule": not self.config.disable_overlap_schedule}
 
     def free_kv_slots(self) -> int:
         return int(self.scheduler.call(self.allocator.available_size))  # type: ignore[arg-type]

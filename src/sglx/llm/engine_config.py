@@ -46,6 +46,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and the sampling of requests without their own seed
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph (None: 160)
     disable_cuda_graph: bool = False  # run every decode step eagerly
+    disable_overlap_schedule: bool = False  # read each step's tokens before scheduling the next (sglx.llm.overlap)
     sp_size: int | None = None  # diffusion: sequence-parallel ranks = ulysses x ring (sglx.diffusion.parallel)
     ulysses_degree: int | None = None  # diffusion: ranks splitting attention heads (all-to-all)
     ring_degree: int | None = None  # diffusion: ranks passing key/value blocks around a ring

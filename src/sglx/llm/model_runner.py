@@ -21,7 +21,7 @@ from sglx.attention.llm.base import AttentionBackend, BackendContext
 from sglx.attention.registry import find
 from sglx.attention.selection import LLMBackendArgs, LLMSelection, select_llm
 from sglx.errors import SglxError
-from sglx.llm.cuda_graph_runner import CudaGraphPlan, CudaGraphRunner, cuda_graph_plan
+from sglx.llm.cuda_graph_runner import CudaGraphPlan, CudaGraphRunner, GraphTarget, cuda_graph_plan
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
@@ -140,7 +140,10 @@ class ModelRunner:
         # greedy rows and bench one-batch read it instead of launching an argmax
         self.last_greedy_ids: torch.Tensor | None = None
         if self.cuda_graph.enabled:
-            self.graph_runner = CudaGraphRunner(self, self.cuda_graph)
+            self.graph_runner = CudaGraphRunner(
+                GraphTarget(device=self.device, model=self.model, backend=self.backend,
+                            req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool),
+                self.cuda_graph)
         else:
             log.info("CUDA graphs off: %s", self.cuda_graph.why)
 

@@ -64,6 +64,11 @@ class Request:
         self.last_node: Any = None
         self.extend_len = 0  # tokens scheduled in the current step
         self.step_locs: torch.Tensor | None = None  # their KV slots (CPU)
+        self.last_loc = -1  # KV slot of position kv_len - 1 when known on the host (-1: read req_to_token)
+        # overlap scheduling (sglx.llm.overlap): sampled tokens still on the device, and the future-map
+        # entry of the newest one (its placeholder input id is -future)
+        self.pending_tokens = 0
+        self.future = 0
         # results
         self.text = ""
         self._sent_text = 0
@@ -95,7 +100,8 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        """Tokens of the sequence, counting sampled tokens the host has not read yet (overlap scheduling)."""
+        return len(self.input_ids) + len(self.output_ids) + self.pending_tokens
 
     @property
     def remaining(self) -> int:
@@ -184,6 +190,7 @@ class Request:
     def reset_kv(self) -> None:
         """Forget KV bookkeeping after retraction; the prompt and outputs so far are recomputed later."""
         self.row, self.kv_len, self.cache_len, self.last_node, self.extend_len = 0, 0, 0, None, 0
+        self.last_loc = -1
         self.num_retractions += 1
 
     def result(self) -> dict[str, Any]:

@@ -131,7 +131,15 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
            prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
            greedy_ids: torch.Tensor | None = None) -> list[int]:
-    """Next token of every request from its logits row [bs, V].
+    """Next token of every request from its logits row [bs, V] (read back to the host: one device sync)."""
+    return sample_tokens(logits, params, generators, prompt_ids, output_ids, greedy_ids).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
+                  output_ids: Sequence[Sequence[int]], greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token of every request as a device tensor [bs] (int64): no host sync, so the overlap scheduler
+    can launch the next step before reading it.
 
     greedy_ids: the rows' argmax if already computed (inside the decode CUDA graph); used when no
     penalty changes the logits.
@@ -143,10 +151,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         for i, p in enumerate(params):
             if p.has_penalties:
                 apply_penalties(logits[i], p, prompt_ids[i], output_ids[i])
-    out = (greedy_ids if greedy_ids is not None and not penalties else logits.argmax(dim=-1)).tolist()
+    out = greedy_ids if greedy_ids is not None and not penalties else logits.argmax(dim=-1)
+    out = out.to(torch.long)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
+    out = out.clone()  # never write into a CUDA graph's static argmax output
     device = logits.device
     sub = logits[rows]
     temperature = torch.tensor([params[i].temperature for i in rows], device=device)
@@ -155,6 +165,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     min_p = torch.tensor([params[i].min_p for i in rows], device=device)
     probs = filtered_probs(sub, temperature, top_k, top_p, min_p)
     picks = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(rows)])
-    for i, token in zip(rows, picks.tolist()):
-        out[i] = int(token)
+    out[torch.tensor(rows, device=device)] = picks.to(torch.long)
     return out

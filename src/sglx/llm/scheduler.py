@@ -7,6 +7,10 @@ admitted, mixed with the running decodes when `enable_mixed_chunk` is on; otherw
 requests decode one token. When a decode step cannot get KV slots even after evicting cached
 prefixes, requests are retracted (their KV handed to the prefix cache or freed, the request requeued
 with its outputs so far) and recomputed later, so memory pressure slows requests but never breaks one.
+
+With `enable_overlap` (SGLang's overlap scheduler, sglx.llm.overlap) the host schedules and launches
+step n+1 before it reads step n's sampled tokens, which reach step n+1's inputs through a device-side
+future-token map; outputs are processed one step late.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import torch
 from sglx.llm.allocator import TokenSlotAllocator
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+from sglx.llm.overlap import FutureTokenMap, StepOutput, record_event, to_host
 from sglx.llm.radix_cache import PrefixCache
 from sglx.llm.request import Request
-from sglx.llm.sampling import sample
+from sglx.llm.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7  # fraction of each running request's remaining tokens kept in reserve
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    enable_overlap: bool = True  # launch step n+1 before reading step n's tokens (--disable-overlap-schedule)
 
 
 @dataclass
@@ -83,6 +89,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.chunked_req: Request | None = None
         self._batch: list[Request] = []
+        self._pending: StepOutput | None = None  # overlap: the launched step whose tokens the host has not read
+        self.future_map = (FutureTokenMap(config.max_running_requests, runner.device)
+                           if config.enable_overlap else None)
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self.record_modes = False
@@ -146,7 +155,7 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self._pending)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Synchronous driving (tests, offline use): step until every submitted request has finished."""
@@ -235,9 +244,12 @@ class Scheduler:
                 req.finish("abort", error="the output callback failed")
 
     def _fail_all(self, message: str) -> None:
-        reqs = list({id(r): r for r in [*self._batch, *self.waiting, *self.running,
+        # a step in flight also holds requests that already finished (and were told): leave those alone
+        pending = [r for r in self._pending.reqs if not r.finished] if self._pending is not None else []
+        reqs = list({id(r): r for r in [*self._batch, *pending, *self.waiting, *self.running,
                                          *([self.chunked_req] if self.chunked_req else [])]}.values())
         self._batch = []
+        self._pending = None
         self.waiting.clear()
         self.running = []
         self.chunked_req = None
@@ -261,11 +273,18 @@ class Scheduler:
         return self.allocator.free_pages >= pages
 
     def _last_locs(self, reqs: list[Request]) -> list[int]:
-        """Slot of each request's last computed token (0 if none), read in one gather: one device sync."""
-        table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.long, device=table.device)
-        cols = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.long, device=table.device)
-        return [loc if r.kv_len else 0 for r, loc in zip(reqs, table[rows, cols].tolist())]
+        """Slot of each request's last computed token (0 if none): kept on the host after each allocation, read
+        from req_to_token (one gather, one device sync) only after a prefix match. One-token pages need none."""
+        if self.page_size == 1:
+            return [0] * len(reqs)
+        unknown = [r for r in reqs if r.kv_len and r.last_loc < 0]
+        if unknown:
+            table = self.req_to_token_pool.req_to_token
+            rows = torch.tensor([r.row for r in unknown], dtype=torch.long, device=table.device)
+            cols = torch.tensor([r.kv_len - 1 for r in unknown], dtype=torch.long, device=table.device)
+            for r, loc in zip(unknown, table[rows, cols].tolist()):
+                r.last_loc = int(loc)
+        return [r.last_loc if r.kv_len else 0 for r in reqs]
 
     def _alloc(self, reqs: list[Request]) -> torch.Tensor | None:
         """Slots for every request's scheduled extend_len tokens, written into req_to_token; None if short."""
@@ -279,15 +298,19 @@ class Scheduler:
         table = self.req_to_token_pool.req_to_token
         rows = torch.repeat_interleave(torch.tensor([r.row for r in reqs]), torch.tensor([r.extend_len for r in reqs]))
         cols = torch.cat([torch.arange(r.kv_len, r.kv_len + r.extend_len) for r in reqs])
-        table[rows.to(table.device), cols.to(table.device)] = locs.to(table.device, table.dtype)
+        # non_blocking: a pageable host source is staged at once, so the host never waits for the device
+        table[rows.to(table.device, non_blocking=True), cols.to(table.device, non_blocking=True)] = \
+            locs.to(table.device, table.dtype, non_blocking=True)
         offset = 0
         for r in reqs:
             r.step_locs = locs[offset:offset + r.extend_len]
             offset += r.extend_len
+            if r.extend_len:
+                r.last_loc = int(locs[offset - 1])
         return locs
 
     def _reserve(self, req: Request) -> int:
-        left = max(0, req.max_new_tokens - len(req.output_ids))
+        left = max(0, req.max_new_tokens - len(req.output_ids) - req.pending_tokens)
         return int(min(left, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     # ------------------------------------------------------------------ scheduling
@@ -343,6 +366,7 @@ class Scheduler:
                 table = self.req_to_token_pool.req_to_token
                 table[req.row, :m] = slots.to(table.device, table.dtype)
             req.kv_len = req.cache_len = m
+            req.last_loc = -1
             req.last_node, req.extend_len = node, n
             if self._alloc([req]) is None:
                 self.cache.unlock(node)
@@ -403,6 +427,9 @@ class Scheduler:
                 break
             if not may_retract:
                 return []
+            if self._pending is not None:  # read the step in flight first: it may end requests and free KV
+                self._resolve_pending()
+                continue
             if len(self.running) == 1:
                 req = self.running.pop()
                 self._release(req)
@@ -422,9 +449,33 @@ class Scheduler:
         return list(self.running)
 
     def step(self) -> None:
-        """One scheduling step: take new requests, admit, run the model once, sample, advance the batch."""
+        """One scheduling step: take new requests, admit, launch the model once, then read a step's tokens.
+
+        Without overlap the step just launched is read at once. With overlap the tokens read are those of
+        the previous step, so the host schedules and launches this step while the device still runs that one.
+        """
         self._drain_inbox(block=False)
         self._drop_finished_running()
+        if self._pending is not None and self._needs_tokens_on_host():
+            self._resolve_pending()
+        launched = self._launch()
+        previous, self._pending = self._pending, launched
+        if previous is not None:
+            self._resolve(previous)
+        if self.future_map is None:
+            self._resolve_pending()
+
+    def _needs_tokens_on_host(self) -> bool:
+        """Penalties read each request's output ids on the host: such batches wait for the step in flight."""
+        return any(r.pending_tokens and r.params.has_penalties for r in self.running)
+
+    def _resolve_pending(self) -> None:
+        out, self._pending = self._pending, None
+        if out is not None:
+            self._resolve(out)
+
+    def _launch(self) -> StepOutput | None:
+        """Schedule and launch one forward plus sampling; returns its pending output (None: nothing to run)."""
         extend = self._schedule_prefill()
         if extend:
             decode = self._prepare_decode(may_retract=False) if self.config.enable_mixed_chunk and self.running else []
@@ -434,7 +485,7 @@ class Scheduler:
             mode = ForwardMode.DECODE
         reqs = extend + decode
         if not reqs:
-            return
+            return None
         self._batch = reqs  # in no queue while the step runs: _fail_all must still find them
         if not extend:
             self.new_token_ratio = max(self.config.min_new_token_ratio,
@@ -442,8 +493,9 @@ class Scheduler:
         batch = self._build_batch(reqs, mode)
         logits = self.runner.forward(batch)
         self._record(mode, reqs, batch)
-        self._process(reqs, decode, logits)
+        out = self._advance(reqs, decode, logits)
         self._batch = []
+        return out
 
     def _drop_finished_running(self) -> None:
         """Requests aborted between steps leave the running set before the next step is formed."""
@@ -456,17 +508,27 @@ class Scheduler:
         device = self.runner.device
         ids: list[int] = []
         positions: list[int] = []
+        futures = False
         for r in reqs:
-            ids.extend(r.fill_slice(r.kv_len, r.kv_len + r.extend_len))
+            if r.pending_tokens:  # a decode whose input token is still on the device: its placeholder
+                ids.append(-r.future)
+                futures = True
+            else:
+                ids.extend(r.fill_slice(r.kv_len, r.kv_len + r.extend_len))
             positions.extend(range(r.kv_len, r.kv_len + r.extend_len))
         seq_lens = [r.kv_len + r.extend_len for r in reqs]
+        input_ids = _to_device(ids, device)
+        if futures:
+            assert self.future_map is not None, "placeholders exist only with overlap scheduling"
+            input_ids = self.future_map.resolve(input_ids)
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            out_cache_loc=torch.cat([r.step_locs for r in reqs]).to(device=device, dtype=torch.long),
+            input_ids=input_ids,
+            positions=_to_device(positions, device),
+            req_pool_indices=_to_device([r.row for r in reqs], device),
+            seq_lens=_to_device(seq_lens, device),
+            out_cache_loc=torch.cat([r.step_locs for r in reqs]).to(device=device, dtype=torch.long,
+                                                                      non_blocking=True),
             req_to_token_pool=self.req_to_token_pool,
             token_kv_pool=self.token_kv_pool,
             seq_lens_cpu=seq_lens,
@@ -489,55 +551,102 @@ class Scheduler:
         if self.record_modes:
             s.modes.append(mode.value)
 
-    def _process(self, reqs: list[Request], decode: list[Request], logits: torch.Tensor) -> None:
-        to_sample: list[int] = []
+    def _advance(self, reqs: list[Request], decode: list[Request], logits: torch.Tensor) -> StepOutput:
+        """After the launch: sample on the device, and do the bookkeeping that needs no token value (KV
+        lengths, prefix cache, the running set). The tokens stay on the device until `_resolve`."""
+        sampled_rows: list[int] = []
         for i, req in enumerate(reqs):
             req.kv_len += req.extend_len
             req.extend_len = 0
             if req.remaining == 0:
-                to_sample.append(i)
-        if to_sample:
-            picked = [reqs[i] for i in to_sample]
-            every = len(to_sample) == len(reqs)
-            rows = logits if every else logits[to_sample]
+                sampled_rows.append(i)
+        picked = [reqs[i] for i in sampled_rows]
+        out = StepOutput(reqs, set(map(id, decode)), picked, [])
+        if picked:
+            every = len(picked) == len(reqs)
+            rows = logits if every else logits[_to_device(sampled_rows, logits.device)]
             # argmax made inside the decode graph, when the runner has one (test doubles need not)
             greedy = getattr(self.runner, "last_greedy_ids", None) if every else None
-            tokens = sample(rows, [r.params for r in picked], [r.generator for r in picked],
-                            [r.input_ids for r in picked], [r.output_ids for r in picked], greedy_ids=greedy)
-            logprobs = None
-            top: list[list[tuple[int, float]]] | None = None
+            tokens = sample_tokens(rows, [r.params for r in picked], [r.generator for r in picked],
+                                   [r.input_ids for r in picked], [r.output_ids for r in picked], greedy_ids=greedy)
             if any(r.return_logprob for r in picked):
-                chosen = torch.tensor(tokens, device=rows.device)[:, None]
                 all_logprobs = torch.log_softmax(rows.float(), dim=-1)
-                logprobs = all_logprobs.gather(1, chosen)[:, 0].tolist()
+                out.logprobs = to_host(all_logprobs.gather(1, tokens[:, None])[:, 0])
                 k = max(r.top_logprobs_num for r in picked)
                 if k > 0:
                     values, ids = all_logprobs.topk(min(k, all_logprobs.shape[-1]), dim=-1)
-                    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            for j, (req, token) in enumerate(zip(picked, tokens)):
-                if not req.finished:  # an abort that arrived while the step ran wins
-                    if logprobs is not None and req.return_logprob:
-                        req.output_logprobs.append(logprobs[j])
-                        if top is not None and req.top_logprobs_num:
-                            req.output_top_logprobs.append(top[j][:req.top_logprobs_num])
-                    req.append_token(token)
-                self.stats.generated_tokens += 1
-        decoding = set(map(id, decode))
+                    out.top_ids, out.top_values = to_host(ids), to_host(values)
+            if self.future_map is not None:
+                out.entries = self.future_map.reserve(len(picked))
+                self.future_map.store(out.entries, tokens)
+            else:
+                out.entries = [0] * len(picked)
+            out.tokens = to_host(tokens)
+            out.event = record_event(tokens.device)
+            for req, entry in zip(picked, out.entries):
+                req.pending_tokens += 1
+                req.future = entry
         for req in reqs:
             if req.finished:
-                if id(req) in decoding:
-                    self.running.remove(req)
-                if req is self.chunked_req:
-                    self.chunked_req = None
-                self._release(req)
-            elif req is not self.chunked_req:
-                if id(req) not in decoding:
-                    self.cache.cache_unfinished_req(req)
-                    self.running.append(req)
-            else:
+                continue
+            if req is self.chunked_req:
                 self.cache.cache_unfinished_req(req)
-            self._emit(req)
+            elif id(req) not in out.decode_ids:
+                self.cache.cache_unfinished_req(req)
+                self.running.append(req)
         self.stats.max_running = max(self.stats.max_running, len(self.running))
+        return out
+
+    def _resolve(self, out: StepOutput) -> None:
+        """Read a launched step's tokens: append them, check stop conditions, stream, finish requests."""
+        done_before = {id(r) for r in out.reqs if r.finished}  # aborted meanwhile: already released and told
+        tokens, logprobs, top = out.wait()
+        for j, (req, token) in enumerate(zip(out.sampled, tokens)):
+            if req.finished:
+                continue
+            req.pending_tokens -= 1
+            if req.future == out.entries[j]:
+                req.future = 0
+            if logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(logprobs[j])
+                if top is not None and req.top_logprobs_num:
+                    req.output_top_logprobs.append(top[j][:req.top_logprobs_num])
+            req.append_token(int(token))
+            self.stats.generated_tokens += 1
+            if req.finished:
+                self._finish_sampled(req)
+        for req in out.reqs:
+            if id(req) not in done_before:
+                self._emit(req)
+
+    def _finish_sampled(self, req: Request) -> None:
+        """A request that its latest token finished: leave the running set, give back its KV.
+
+        With overlap it was already launched in one more decode step (its token is discarded): that step's
+        KV slot is freed too, so the cache and the pool end as they would without overlap."""
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        extra = req.kv_len - (len(req.input_ids) + len(req.output_ids) - 1)
+        if extra > 0 and req.row:
+            self._drop_extra_kv(req, extra)
+        req.pending_tokens, req.future = 0, 0
+        self._release(req)
+
+    def _drop_extra_kv(self, req: Request, extra: int) -> None:
+        """Forget the KV of the last `extra` positions (the discarded step's); free the pages only they use."""
+        assert req.step_locs is not None and len(req.step_locs) >= extra, "the extra step's slots are its latest"
+        target = req.kv_len - extra
+        slots = req.step_locs[len(req.step_locs) - extra:].tolist()
+        own_pages = [slot for pos, slot in zip(range(target, req.kv_len), slots) if pos % self.page_size == 0]
+        self.allocator.free(own_pages)  # pages shared with earlier positions go with the rest of the request
+        req.kv_len = target
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on the device without the host waiting for the device (a pageable source is staged)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def build_scheduler(runner: BatchRunner, req_to_token_pool: ReqToTokenPool, token_kv_pool: TokenKVPool,
