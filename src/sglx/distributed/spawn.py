@@ -83,21 +83,57 @@ def _exit_with_parent() -> None:
         from multiprocessing.connection import wait
 
         wait([parent.sentinel])
+        release_semaphores()
         os._exit(3)
 
     threading.Thread(target=watch, name="sglx-parent-watch", daemon=True).start()
+
+
+def release_semaphores() -> None:
+    """Unlink the named semaphores this process created and take them off the resource tracker's list.
+
+    Why: a rank's default start method is "spawn", so every multiprocessing lock made inside it (tqdm makes one
+    for every progress bar: "Loading weights", "Writing model shards") is a named POSIX semaphore registered with
+    the resource tracker that the rank shares with its parent. A normal exit unlinks them (multiprocessing's exit
+    finalizers); os._exit and a terminating signal skip that, and the tracker, when it ends with the parent,
+    unlinks them itself and prints "resource_tracker: There appear to be N leaked semaphore objects". Only the
+    semaphores' own finalizers run here: nothing that could block (no pool joins, no process-group teardown).
+    """
+    from multiprocessing import synchronize, util
+
+    registry = getattr(util, "_finalizer_registry", None) or {}
+    for finalizer in list(registry.values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            with contextlib.suppress(Exception):
+                finalizer()
+
+
+def _release_on_sigterm() -> None:
+    """SIGTERM (WorkerGroup.terminate ends the other ranks after a failure): release the semaphores, then die of
+    SIGTERM as before (the exit status still says so). A rank stuck in a C call gets here when the call returns,
+    or is SIGKILLed after the grace period; a SIGKILL leaves its semaphores to the tracker."""
+    import signal
+
+    def handler(signum: int, _frame: Any) -> None:
+        release_semaphores()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, env: dict[str, str],
                  results: Any) -> None:
     os.environ.update(env)
     _exit_with_parent()
+    _release_on_sigterm()
     try:
         value = fn(rank, world_size, *args)
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit/KeyboardInterrupt
         results.put((rank, False, one_line(exc), traceback.format_exc()))
         results.close()
         results.join_thread()
+        release_semaphores()  # os._exit skips the finalizers that would
         os._exit(1)  # skip torch's atexit teardown, which can block on a group whose peers are gone
     # pickled here with the standard pickler: torch's queue reducers would pass tensors as shared-memory
     # handles, which the parent cannot open once this process has exited
