@@ -97,6 +97,7 @@ _sglx_generate() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
@@ -140,6 +141,7 @@ _sglx_serve() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
@@ -260,6 +262,7 @@ _sglx_bench_one_batch() {
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
@@ -288,6 +291,14 @@ _sglx_bench_diffusion() {
         '--warmup-ms=[Warm-up time per timed call.]:warmup-ms: ' \
         '--rep-ms=[Time spent on timed runs per call (median).]:rep-ms: ' \
         '--seed=[Seed of the random inputs and weights.]:seed: ' \
+        '--attention-backend=[Sparse comparison: backends to put side by side on --canvas (repeatable or comma list; sparse and...]:attention-backend: ' \
+        '--attention-backend-config=[Config of a compared backend (file, JSON or k=v), repeatable: paired with --attention-backend by...]:attention-backend-config: ' \
+        '--canvas=[Sparse comparison: latent token grid TxHxW, e.g.]:canvas: ' \
+        '--heads=[Sparse comparison: attention heads.]:heads: ' \
+        '--head-dim=[Sparse comparison: head dimension.]:head-dim: ' \
+        '--text-tokens=[Sparse comparison: joint text tokens before the video.]:text-tokens: ' \
+        '--layer=[Sparse comparison: DiT layer of the call (default: the last of --num-layers; VMoBA cycles chunk s...]:layer: ' \
+        '--no-anchors[Sparse comparison: skip FlexAttention and fastvideo-kernel at each sparse mask.]' \
         '--json[Print the report as JSON instead of tables.]' \
         '--output=[Also write the JSON report here.]:output:_files' \
         '--help[Show this message and exit.]'

@@ -72,5 +72,6 @@ class ForwardBatch:
         """Index (into this step's tokens) of each request's last token: where its next-token logits come from."""
         if self.mode.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
-        ends = torch.tensor(self.extend_seq_lens_cpu, device=self.input_ids.device).cumsum(0)
+        # non_blocking: a blocking host-to-device copy would wait for the device (overlap scheduling)
+        ends = torch.tensor(self.extend_seq_lens_cpu).to(self.input_ids.device, non_blocking=True).cumsum(0)
         return ends - 1

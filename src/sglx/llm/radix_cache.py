@@ -259,7 +259,7 @@ class RadixCache(PrefixCache):
         assert len(new_slots) == aligned, (len(new_slots), aligned)
         if aligned:
             table = self.req_to_token_pool.req_to_token
-            table[req.row, :aligned] = new_slots.to(table.device, table.dtype)
+            table[req.row, :aligned] = new_slots.to(table.device, table.dtype, non_blocking=True)
         self.lock(node)
         self.unlock(req.last_node)
         req.cache_len, req.last_node = aligned, node

@@ -159,11 +159,17 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     out = out.clone()  # never write into a CUDA graph's static argmax output
     device = logits.device
     sub = logits[rows]
-    temperature = torch.tensor([params[i].temperature for i in rows], device=device)
-    top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=device)
-    min_p = torch.tensor([params[i].min_p for i in rows], device=device)
+    # host lists go to the device with non_blocking copies (a blocking one would wait for the device)
+    temperature = _on(device, [params[i].temperature for i in rows])
+    top_k = _on(device, [params[i].top_k for i in rows])
+    top_p = _on(device, [params[i].top_p for i in rows])
+    min_p = _on(device, [params[i].min_p for i in rows])
     probs = filtered_probs(sub, temperature, top_k, top_p, min_p)
     picks = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(rows)])
-    out[torch.tensor(rows, device=device)] = picks.to(torch.long)
+    out[_on(device, rows)] = picks.to(torch.long)
     return out
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """A small host list as a device tensor, without the host waiting for the device's queued work."""
+    return torch.tensor(values).to(device, non_blocking=True)

@@ -275,16 +275,17 @@ class Scheduler:
     def _last_locs(self, reqs: list[Request]) -> list[int]:
         """Slot of each request's last computed token (0 if none): kept on the host after each allocation, read
         from req_to_token (one gather, one device sync) only after a prefix match. One-token pages need none."""
-        if self.page_size == 1:
+        ps = self.page_size
+        if ps == 1:
             return [0] * len(reqs)
-        unknown = [r for r in reqs if r.kv_len and r.last_loc < 0]
+        unknown = [r for r in reqs if r.kv_len % ps and r.last_loc < 0]  # page-aligned prefixes need none
         if unknown:
             table = self.req_to_token_pool.req_to_token
             rows = torch.tensor([r.row for r in unknown], dtype=torch.long, device=table.device)
             cols = torch.tensor([r.kv_len - 1 for r in unknown], dtype=torch.long, device=table.device)
             for r, loc in zip(unknown, table[rows, cols].tolist()):
                 r.last_loc = int(loc)
-        return [r.last_loc if r.kv_len else 0 for r in reqs]
+        return [r.last_loc if r.kv_len % ps else 0 for r in reqs]
 
     def _alloc(self, reqs: list[Request]) -> torch.Tensor | None:
         """Slots for every request's scheduled extend_len tokens, written into req_to_token; None if short."""
@@ -364,7 +365,7 @@ class Scheduler:
             req.row = self.req_to_token_pool.alloc() or 0
             if m:
                 table = self.req_to_token_pool.req_to_token
-                table[req.row, :m] = slots.to(table.device, table.dtype)
+                table[req.row, :m] = slots.to(table.device, table.dtype, non_blocking=True)
             req.kv_len = req.cache_len = m
             req.last_loc = -1
             req.last_node, req.extend_len = node, n
