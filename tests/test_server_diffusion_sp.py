@@ -3,18 +3,21 @@
 Images through the official `openai` client must equal what DiffusionEngine makes in this process at SP 1 (one
 uint8 step apart at most: two ranks add float32 partial sums in another order). A video job deleted while it
 runs must stop every rank at the same step: the next image is still SP 1's picture (a rank left behind in a
-collective would hang it or shift its steps).
+collective would hang it or shift its steps). Then a follower rank is killed: /health answers 503 with the
+failure's one line, requests fail with it, and the server still stops with no process left behind.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from diffusion_test_utils import make_tiny_wan
@@ -42,17 +45,20 @@ def sp1(wan: Path) -> Iterator[DiffusionEngine]:
         yield eng
 
 
-@pytest.fixture(scope="module")
-def server(wan: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(wan, "--sp-size", "2", log_dir=tmp_path_factory.mktemp("logs"),
-                         engine_args=ENGINE_ARGS).wait_ready(timeout=240)
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    log = proc.log()
-    assert "Traceback" not in log and "leaked" not in log, log
+def test_sp2_server_images_equal_sp1_and_a_dead_rank_shows(wan: Path, sp1: DiffusionEngine, tmp_path: Path) -> None:
+    server = ServerProcess(wan, "--sp-size", "2", log_dir=tmp_path, engine_args=ENGINE_ARGS).wait_ready(timeout=240)
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        _serve_and_cancel(server, sp1)
+        _kill_a_rank(server, children)
+    finally:
+        server.stop(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, alive  # no rank (or helper process) outlives the server
+    assert "Traceback" not in server.log(), server.log()
 
 
-def test_sp2_server_images_equal_sp1(server: ServerProcess, sp1: DiffusionEngine) -> None:
+def _serve_and_cancel(server: ServerProcess, sp1: DiffusionEngine) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
     assert "sp 2 (ulysses 2 x ring 1)" in server.log()  # the banner names the split
     info = httpx.get(f"{server.base_url}/server_info", timeout=30).json()
@@ -83,3 +89,23 @@ def test_sp2_server_images_equal_sp1(server: ServerProcess, sp1: DiffusionEngine
     got = image("a green triangle", 3)
     assert same_picture(got, reference("a green triangle", 3))  # type: ignore[arg-type]
     assert http.get("/health").status_code == 200
+
+
+def _kill_a_rank(server: ServerProcess, children: list[psutil.Process]) -> None:
+    """The follower rank killed while the server idles: /health answers 503 with the one line naming it, and a
+    request fails with that line instead of hanging."""
+    (rank1,) = [c for c in children if "spawn_main" in " ".join(c.cmdline())
+                and "resource_tracker" not in " ".join(c.cmdline())]
+    rank1.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    resp = httpx.get(f"{server.base_url}/health", timeout=10)
+    while resp.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        resp = httpx.get(f"{server.base_url}/health", timeout=10)
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert "rank 1 of 2" in error and "SIGKILL" in error and "\n" not in error, error
+    image = httpx.post(f"{server.base_url}/v1/images/generations", timeout=60,
+                       json={"prompt": "a red circle", "size": "32x16", **FAST})
+    assert image.status_code == 500 and "rank 1 of 2" in image.json()["error"]["message"], image.text
+
