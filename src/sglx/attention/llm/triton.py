@@ -115,7 +115,8 @@ class TritonBackend(AttentionBackend):
             indptr = [0]
             for n in lens:
                 indptr.append(indptr[-1] + n)
-            meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.ctx.device)
+            # non_blocking: a blocking host-to-device copy would make the host wait for the step in flight
+            meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32).to(self.ctx.device, non_blocking=True)
             meta.max_extend_len = max(lens, default=0)
             meta.prefix_tokens = sum(batch.extend_prefix_lens_cpu or [])
         self.meta = meta
