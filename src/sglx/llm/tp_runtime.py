@@ -288,13 +288,14 @@ def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
     table = batch.req_to_token_pool.req_to_token
     bs, width = batch.batch_size, max(batch.seq_lens_cpu, default=0)
     header = [_MODES.index(batch.mode), batch.num_tokens, bs, width, int(batch.return_all_logits)]
-    ctx.broadcast(torch.tensor(header, dtype=torch.int64, device=ctx.device))
+    # non_blocking host-to-device copies: rank 0 must not wait for the step in flight (overlap scheduling)
+    ctx.broadcast(torch.tensor(header, dtype=torch.int64).to(ctx.device, non_blocking=True))
     rows = table[batch.req_pool_indices.to(table.device), :width]
     lens = batch.extend_seq_lens_cpu or [0] * bs
     prefix = batch.extend_prefix_lens_cpu or [0] * bs
     parts = [batch.input_ids, batch.positions, batch.req_pool_indices, batch.out_cache_loc,
              torch.tensor([*batch.seq_lens_cpu, *lens, *prefix], dtype=torch.int64), rows.reshape(-1)]
-    ctx.broadcast(torch.cat([p.to(device=ctx.device, dtype=torch.int64) for p in parts]))
+    ctx.broadcast(torch.cat([p.to(device=ctx.device, dtype=torch.int64, non_blocking=True) for p in parts]))
 
 
 def _broadcast_stop(ctx: DistContext) -> None:
