@@ -30,13 +30,12 @@ from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend, permute
 from sglx.attention.diffusion.sparse.tiled import to_order  # noqa: E402
 from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend, vsa_plan  # noqa: E402
 from sglx.attention.diffusion.sparse.vmoba import VMoBABackend, vmoba_plan  # noqa: E402
+from sglx.bench.diffusion_sparse import clustered as clustered_tokens  # noqa: E402
 
 
 def clustered(shape: tuple[int, int, int, int], gen: torch.Generator, centres: int = 64) -> torch.Tensor:
-    b, s, h, d = shape
-    c = torch.randn(h, centres, d, generator=gen) * 2
-    which = torch.randint(0, centres, (b, s, h), generator=gen)
-    return c[torch.arange(h), which] + torch.randn(b, s, h, d, generator=gen)
+    """sglx.bench.diffusion_sparse.clustered without its unit scaling (the recorded runs used these inputs)."""
+    return clustered_tokens(shape, gen, centres, unit=False)
 
 
 def check(name: str, q, k, v, layout, scale: float, out_slots: torch.Tensor, gen: torch.Generator) -> float:
@@ -53,38 +52,22 @@ def work(layout, seq_len: int) -> float:
 
 
 def upstream_vsa(qs, ks, vs, plan, ours: torch.Tensor, scale: float, device: torch.device, record) -> None:
-    """FastVideo's VSA (fastvideo_kernel, where installed) on the same cube-ordered tokens: a same-run anchor.
+    """FastVideo's VSA (fastvideo_kernel, where installed) on the same cube-ordered tokens: a same-run anchor
+    (sglx.bench.sparse_upstream.vsa_kernel, which `sglx bench diffusion` uses too). Selection may differ where
+    bf16 cube scores nearly tie, so the error is reported, not asserted."""
+    from sglx.attention.diffusion.sparse.tiled import real_slots
+    from sglx.bench.sparse_upstream import vsa_kernel
 
-    Its tile order is ours (cubes row-major, tokens row-major inside, padding at each cube's end); it pools over
-    zero padding, so padding slots are zeroed first. A zero compress gate leaves its fine branch alone, which is
-    what sglx's backend computes; selection may differ where bf16 cube scores nearly tie."""
     try:
-        from fastvideo_kernel import video_sparse_attn
+        run, path = vsa_kernel([t.transpose(1, 2) for t in (qs, ks, vs)], plan.order, 0.875)
     except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor here
         print(f"upstream VSA skipped: {type(exc).__name__}: {exc}", flush=True)
         return
-    from sglx.attention.diffusion.sparse.tiled import real_slots
-    from sglx.attention.diffusion.sparse.video_sparse import compute_topk
-
-    real = real_slots(plan.order).reshape(-1).to(device)
-    sizes = real.view(plan.order.num_blocks, -1).sum(1).long()
-    args = [(t * real[None, :, None, None].to(t.dtype)).transpose(1, 2).contiguous() for t in (qs, ks, vs)]
-    gate = torch.zeros_like(args[0])
-    topk = compute_topk(0.875, plan.order.num_blocks)
-
-    def run() -> torch.Tensor:
-        return video_sparse_attn(*args, sizes, sizes, topk, block_size=(4, 4, 4), compress_attn_weight=gate)
-
+    keep = real_slots(plan.order).reshape(-1).to(device).bool()
     got = run().transpose(1, 2)
-    keep = real.bool()
     err = rel_err(got[:, keep], ours[:, keep].double())
-    import importlib
-
-    fv_bsa = importlib.import_module("fastvideo_kernel.block_sparse_attn")  # the module, not its same-named function
-
-    sm90 = fv_bsa._get_sm90_ops()[0] is not None and fv_bsa._is_sm90()
     record("upstream fastvideo_kernel VSA 0.875 (same cube order)", bench(run, device), rel_err_vs_sglx=err,
-           path="compiled sm90 (ThunderKittens)" if sm90 else "Triton")
+           path=path)
 
 
 def main() -> None:

@@ -188,38 +188,21 @@ def step_reorder(order, width: int, device, layers: int = 30) -> dict:
 
 
 def upstream_sta(qp, kp, vp, ours, grid, window, device) -> dict:
-    """FastVideo's STA (fastvideo_kernel's Triton path, where installed) on the same tile-ordered tokens: a same-run
-    anchor. It takes [B, H, S, D] in tile order (FastVideo's tile order is sglx's on these canvases: row-major
-    tiles, row-major inside a tile, no padding) and only its three canvases."""
+    """FastVideo's STA (fastvideo_kernel, where installed) on the same tile-ordered tokens: a same-run anchor. It
+    takes [B, H, S, D] in tile order (FastVideo's tile order is sglx's on these canvases: row-major tiles,
+    row-major inside a tile, no padding) and only its three canvases (sglx.bench.sparse_upstream.sta_kernel,
+    which `sglx bench diffusion --attention-backend sliding_tile_attn` uses too)."""
+    from sglx.bench.sparse_upstream import sta_kernel
+
     try:
-        from fastvideo_kernel import sliding_tile_attention
-    except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor here
+        run, path = sta_kernel([t.transpose(1, 2).contiguous() for t in (qp, kp, vp)],
+                               [list(window)] * qp.shape[2], "x".join(map(str, grid)))
+    except Exception as exc:  # noqa: BLE001 - not installed or a canvas it rejects: no anchor here
         return {"skipped": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    shape = "x".join(map(str, grid))
-    if shape not in ("30x48x80", "36x48x48", "18x48x80"):
-        return {"skipped": f"upstream STA takes only 30x48x80, 36x48x48 and 18x48x80; this canvas is {shape}"}
-    heads = qp.shape[2]
-    args = [t.transpose(1, 2).contiguous() for t in (qp, kp, vp)]
-    try:  # its autotuner compiles 72 configs; keep the 16 of H100-sized tiles (the run's time is limited)
-        from fastvideo_kernel.triton_kernels import st_attn_triton
-
-        tuner = st_attn_triton.triton_sta_kernel
-        tuner.configs = [c for c in tuner.configs if c.kwargs["BLOCK_Q"] in (64, 128)
-                         and c.kwargs["BLOCK_KV"] in (64, 128) and c.num_stages in (2, 3)]
-        tuned = len(tuner.configs)
-    except Exception:  # noqa: BLE001 - another layout of the package: its own autotuning as shipped
-        tuned = None
-
-    def run():
-        return sliding_tile_attention(*args, [list(window)] * heads, 0, False, shape)
     try:
         got = run().transpose(1, 2)
         err = rel_err(got, ours.double()) if ours is not None else None
-        from fastvideo_kernel import ops
-
-        path = "compiled sta_fwd (ThunderKittens)" if ops.sta_fwd is not None else "Triton"
-        return {"ms": bench(run, device), "rel_err_vs_sglx": err, "path": path,
-                "autotune_configs": tuned if ops.sta_fwd is None else None}
+        return {"ms": bench(run, device), "rel_err_vs_sglx": err, "path": path}
     except Exception as exc:  # noqa: BLE001 - upstream failing is a data point
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 

@@ -14,8 +14,8 @@ layers run dense). A sparse backend whose plans all attended every block pair is
 --json writes every judgement.
 
 tiny-shapes' latent grid is 5x8x8 (320 tokens): FastVideo's 6x8x8 STA tile covers it whole (one tile,
-always dense), so `--sta-tile 1,2,2` (an experiment knob of this script, not a backend config key) sets
-sliding_tile_attn's tile for the run.
+always dense), so `--sta-tile 1,4,4` (an experiment knob of this script, not a backend config key) sets
+sliding_tile_attn's tile for the run; the mask strategy's windows count these tiles (5x2x2 of them).
 """
 
 from __future__ import annotations

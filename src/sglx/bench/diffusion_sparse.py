@@ -178,12 +178,15 @@ def _load(req: BackendRequest, snap: Any, dtype: str, head_dim: int) -> Any:
     return spec, spec.load()(cfg.as_dict())
 
 
-def clustered(shape: tuple[int, int, int, int], gen: torch.Generator, centres: int) -> torch.Tensor:
-    """[B, S, H, D]: every token near one of `centres` random centres of its head (structure for selection)."""
+def clustered(shape: tuple[int, int, int, int], gen: torch.Generator, centres: int, unit: bool = True
+              ) -> torch.Tensor:
+    """[B, S, H, D]: every token near one of `centres` random centres of its head (structure for selection);
+    `unit` scales to unit variance per element (centres 2x the noise: variance 5 before)."""
     b, s, h, d = shape
     c = torch.randn(h, centres, d, generator=gen) * 2
     which = torch.randint(0, centres, (b, s, h), generator=gen)
-    return (c[torch.arange(h), which] + torch.randn(b, s, h, d, generator=gen)) / math.sqrt(5.0)
+    x = c[torch.arange(h), which] + torch.randn(b, s, h, d, generator=gen)
+    return x / math.sqrt(5.0) if unit else x
 
 
 @dataclass
