@@ -112,11 +112,12 @@ class SPServingEngine:
             from sglx.diffusion.engine import DiffusionEngine
 
             self.engine = DiffusionEngine(config, backend)
-        except BaseException:
-            self._failed.wait(5.0)  # a follower's failure explains the collective error better than the error
+        except BaseException as exc:
+            if not isinstance(exc, SglxError):  # bad input fails every rank alike: rank 0's own line is the one
+                self._failed.wait(5.0)  # a follower's failure explains a collective error better than the error
             failure = self.workers.failure
-            self._shutdown_workers()
-            if failure is not None:
+            self._shutdown_workers(graceful=False)
+            if failure is not None and not isinstance(exc, SglxError):
                 raise failure from None
             raise
 
@@ -203,8 +204,9 @@ class SPServingEngine:
         log.error("%s", error)
         self._failed.set()
 
-    def _shutdown_workers(self) -> None:
-        if self.workers.failure is None:
+    def _shutdown_workers(self, graceful: bool = True) -> None:
+        """graceful: the followers serve (tell them to leave and wait for them); else they are ended at once."""
+        if graceful and self.workers.failure is None:
             for queue in self._commands:
                 with contextlib.suppress(Exception):
                     queue.put(STOP)

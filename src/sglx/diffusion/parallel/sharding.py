@@ -104,11 +104,3 @@ def shard_pipeline(pipeline: Any, rank: int, world: int) -> list[Any]:
             handles += sharder(model, rank, world)
     return handles
 
-
-def latent_tokens(pipeline: Any, req: Any) -> int:
-    """Latent tokens of one request's DiT sequence (what is split), before any weights run."""
-    if pipeline.family == "wan":
-        frames = ((req.num_frames - 1) // pipeline.scale_t + 1) // pipeline.patch[0]
-        return frames * (req.height // pipeline.scale_s // pipeline.patch[1]) * (
-            req.width // pipeline.scale_s // pipeline.patch[2])
-    return (req.height // pipeline.vae_scale // 2) * (req.width // pipeline.vae_scale // 2)
