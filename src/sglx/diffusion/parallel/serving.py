@@ -203,6 +203,13 @@ class SPServingEngine:
     def _on_failure(self, error: WorkerError) -> None:
         log.error("%s", error)
         self._failed.set()
+        if dist.is_initialized() and dist.get_backend() == "nccl":  # gloo fails on its own when a peer is gone;
+            with contextlib.suppress(Exception):  # NCCL would wait for the dead rank until its timeout
+                from torch.distributed import distributed_c10d
+
+                abort = getattr(distributed_c10d, "_abort_process_group", None)
+                if abort is not None:
+                    abort()
 
     def _shutdown_workers(self, graceful: bool = True) -> None:
         """graceful: the followers serve (tell them to leave and wait for them); else they are ended at once."""
