@@ -59,11 +59,11 @@ def test_per_token_pool_round_trip_and_layout(kv_cache_dtype):
     best = ((best_bits.view(fp8).float() * best_scale[..., None] - x) ** 2).sum(-1)
     assert (best <= plain).all() and best.mean() < 0.8 * plain.mean()
     assert torch.equal(plain_scale, x.abs().amax(-1) / FP8_MAX[fp8])
-    # per-slot scales live head-major: pool.k_scale[layer][head, slot]
-    assert pool.k_scale[1].shape == (heads, n + 16) and torch.equal(pool.k_scale[1][:, loc].t(), best_scale)
+    # per-slot scales live slot-major: pool.k_scale[layer][slot, head]
+    assert pool.k_scale[1].shape == (n + 16, heads) and torch.equal(pool.k_scale[1][loc], best_scale)
     # rotated queries over the stored (rotated) keys score like plain queries over get_kv's keys
     q = torch.randn(3, heads, dim)
-    stored = pool.k_buffer[1][loc].view(fp8).float() * pool.k_scale[1][:, loc].t()[..., None]
+    stored = pool.k_buffer[1][loc].view(fp8).float() * pool.k_scale[1][loc][..., None]
     assert torch.allclose(torch.einsum("qhd,khd->hqk", pool.rotate_query(q), stored),
                           torch.einsum("qhd,khd->hqk", q, back_k.float()), atol=1e-3, rtol=1e-4)
 

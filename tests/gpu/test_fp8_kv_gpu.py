@@ -45,8 +45,8 @@ def _cache(lens, page, hkv, dim, dtype, kv_cache_dtype, fill=None):
 
 
 def _held(pool, slots):
-    k = pool.k_buffer[0][slots].view(pool.fp8_dtype).double() * pool.k_scale[0][:, slots].t()[..., None].double()
-    v = pool.v_buffer[0][slots].view(pool.fp8_dtype).double() * pool.v_scale[0][:, slots].t()[..., None].double()
+    k = pool.k_buffer[0][slots].view(pool.fp8_dtype).double() * pool.k_scale[0][slots][..., None].double()
+    v = pool.v_buffer[0][slots].view(pool.fp8_dtype).double() * pool.v_scale[0][slots][..., None].double()
     return k, v
 
 

@@ -10,8 +10,9 @@ fp8 scales (what a reader of an fp8 pool must apply; `TokenKVPool.per_token_scal
   Python floats; stored = fp8(x / scale). This is vLLM's and SGLang's per-tensor contract, so a kernel
   that takes one scale per layer (FlashInfer) can read such a pool.
 - per token (the default when the checkpoint has no scales): `pool.k_scale[layer]` / `pool.v_scale[layer]`
-  are float32 tensors `[kv_heads, rows]` (head-major: one head's slots are contiguous), so slot s of head
-  h holds fp8(x / scale[h, s]); and keys are stored in a rotated basis, `pool.k_rotation` (`[D, D]`,
+  are float32 tensors `[rows, kv_heads]` (slot-major, like the K/V buffers: a token's heads share one
+  32-byte sector, which the neighbouring head programs of a decode kernel read from L2), so slot s of
+  head h holds fp8(x / scale[s, h]); and keys are stored in a rotated basis, `pool.k_rotation` (`[D, D]`,
   orthogonal): stored K = fp8((k @ R) / scale). Scores are unchanged if the reader rotates its queries
   (`pool.rotate_query(q)`: (q @ R) . (k @ R) = q . k); V is not rotated. `get_kv` undoes both.
 
@@ -161,9 +162,9 @@ class TokenKVPool:
         if self.per_token_scales:
             self.k_rotation = kv_rotation(head_dim, device)
             self.scale_multipliers = scale_multipliers(SCALE_SEARCH_STEPS, device)
-            self.k_scale = [torch.ones((num_kv_heads, rows), dtype=torch.float32, device=device)
+            self.k_scale = [torch.ones((rows, num_kv_heads), dtype=torch.float32, device=device)
                             for _ in range(num_layers)]
-            self.v_scale = [torch.ones((num_kv_heads, rows), dtype=torch.float32, device=device)
+            self.v_scale = [torch.ones((rows, num_kv_heads), dtype=torch.float32, device=device)
                             for _ in range(num_layers)]
 
     @property
@@ -216,8 +217,8 @@ class TokenKVPool:
             v_bits, v_scale = quantize_per_token(v.float(), self.fp8_dtype, None)
             self.k_buffer[layer_id][loc] = k_bits
             self.v_buffer[layer_id][loc] = v_bits
-            self.k_scale[layer_id][:, loc] = k_scale.t()
-            self.v_scale[layer_id][:, loc] = v_scale.t()
+            self.k_scale[layer_id][loc] = k_scale
+            self.v_scale[layer_id][loc] = v_scale
             return
         self.k_buffer[layer_id][loc] = self._encode(k, self.k_scale[layer_id])
         self.v_buffer[layer_id][loc] = self._encode(v, self.v_scale[layer_id])
@@ -228,8 +229,8 @@ class TokenKVPool:
         if self.per_token_scales:
             assert self.fp8_dtype is not None and self.k_rotation is not None
             dtype = dtype or self.dtype
-            k_scale = self.k_scale[layer_id][:, loc].t()[..., None]
-            v_scale = self.v_scale[layer_id][:, loc].t()[..., None]
+            k_scale = self.k_scale[layer_id][loc][..., None]
+            v_scale = self.v_scale[layer_id][loc][..., None]
             k = self.k_buffer[layer_id][loc].view(self.fp8_dtype).float() * k_scale
             v = self.v_buffer[layer_id][loc].view(self.fp8_dtype).float() * v_scale
             return (k @ self.k_rotation.t()).to(dtype), v.to(dtype)

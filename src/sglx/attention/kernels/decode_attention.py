@@ -8,7 +8,7 @@ its (windowed) length into at most `max_splits` chunks of at least `min_chunk` k
 fixed by `max_splits` alone, short requests simply leave programs idle.
 
 fp8 KV: one scale per layer folds into the score scale and the output; per-token scales (tensors
-`[Hkv, rows]`, see `TokenKVPool`) are loaded with each tile's slots and multiply the scores (K) and the
+`[rows, Hkv]`, see `TokenKVPool`) are loaded with each tile's slots and multiply the scores (K) and the
 probabilities (V) in registers: no extra pass over the cache, 8 more bytes per key and head.
 """
 
@@ -108,7 +108,7 @@ def _merge_if_last(o_row, lse_row, out_ptr, semaphore, n_active, head_mask, hd_m
 def _decode_stage1(
     Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out, Semaphores, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window, max_splits, min_chunk,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ksh, stride_vsh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_vs,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
     MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
@@ -148,14 +148,14 @@ def _decode_stage1(
             k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
             qk = dot(q, k, IEEE)
             if SLOT_SCALES:
-                qk = qk * tl.load(K_Scale + kv_head * stride_ksh + slots, mask=n_mask, other=0.0)[None, :]
+                qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head, mask=n_mask, other=0.0)[None, :]
             p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
                                                        logit_cap, True, SOFTCAP)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
             v = kv_tile_to_compute(v, FMT, CVT >= 1, q.dtype)
             if SLOT_SCALES:  # p * scale / (the tile's largest scale) stays in [0, 1]: no fp16 underflow
-                v_scale_n = tl.load(V_Scale + kv_head * stride_vsh + slots, mask=n_mask, other=0.0)
+                v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
                 v_top = tl.max(v_scale_n, 0)
                 p = p * (v_scale_n / v_top)[None, :]
                 acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
@@ -248,7 +248,7 @@ def decode_attention(
     every launch (keep one buffer per stream). With them (and bs <= config.merge_max_batch) the last
     split of each request merges the splits in the same kernel; otherwise a second kernel does.
 
-    k_scale/v_scale: one float per layer, or float32 `[Hkv, rows]` per-slot scales of an fp8 pool
+    k_scale/v_scale: one float per layer, or float32 `[rows, Hkv]` per-slot scales of an fp8 pool
     (`TokenKVPool.per_token_scales`; q must then already be in the pool's rotated key basis)."""
     bs, hq, dim = q.shape
     hkv = k_buffer.shape[1]

@@ -4,7 +4,7 @@ Every key, the prefix's and this step's, is read from the KV pool through `kv_in
 stores this step's K/V first), exactly like the reference backend, so fp8 KV means the same numbers
 in both. One program owns BLOCK_M queries of one head of one request; its key range is cut into a
 masked low edge (sliding window), an unmasked middle and a masked diagonal, so only the edge tiles
-pay for masks. Query blocks run heaviest (last) first. fp8 per-token scales (`[Hkv, rows]` tensors) are
+pay for masks. Query blocks run heaviest (last) first. fp8 per-token scales (`[rows, Hkv]` tensors) are
 loaded with each tile's slots and multiply scores and probabilities in registers, as in decode.
 """
 
@@ -41,7 +41,7 @@ def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
-    K_Scale, V_Scale, stride_ksh, stride_vsh,
+    K_Scale, V_Scale, stride_ks, stride_vs,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr,
 ):
@@ -78,10 +78,10 @@ def _extend_tiles(
         visible = visible & (offs_n[None, :] > q_pos[:, None] - win)  # unused (removed) when not MASKED
         qk = dot(q, k, IEEE)
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
-            qk = qk * tl.load(K_Scale + kv_head * stride_ksh + slots)[None, :]
+            qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head)[None, :]
         p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
         if SLOT_SCALES and not FROM_EXT:  # normalised by the tile's largest scale: no fp16 underflow
-            v_scale_n = tl.load(V_Scale + kv_head * stride_vsh + slots)
+            v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head)
             v_top = tl.max(v_scale_n, 0)
             p = p * (v_scale_n / v_top)[None, :]
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
@@ -96,7 +96,7 @@ def _extend_kernel(
     Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ksh, stride_vsh, EXT: tl.constexpr,
+    stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     SLOT_SCALES: tl.constexpr,
@@ -146,7 +146,7 @@ def _extend_kernel(
             ext_lo = kv_len + BLOCK_N  # past every key: the pool serves them all
         ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
                        stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
-                       stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ksh, stride_vsh)
+                       stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
                                       BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
@@ -202,7 +202,7 @@ def extend_attention(
     hold exactly what was stored, and the new tokens' tiles are read from them instead of gathered
     from the pool. An fp8 pool ignores them, so both paths see the same quantized keys. prefix_tokens (the
     batch's cached keys, known on the host) only picks the tile shape. k_scale/v_scale: one float per
-    layer, or float32 `[Hkv, rows]` per-slot scales (q then already in the pool's rotated key basis)."""
+    layer, or float32 `[rows, Hkv]` per-slot scales (q then already in the pool's rotated key basis)."""
     num_tokens, hq, dim = q.shape
     bs = qo_indptr.shape[0] - 1
     if q.stride(-1) != 1:

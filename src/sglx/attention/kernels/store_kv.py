@@ -63,8 +63,8 @@ def _store_kv_per_token_kernel(
     v_bits, v_scale = quantize_rows(v.to(tl.float32), Mult, FMT, 1, MIN_SCALE)
     tl.store(K_Buf + slot * stride_bkt + offs_h[:, None] * stride_bkh + offs_d[None, :], k_bits, mask=k_mask)
     tl.store(V_Buf + slot * stride_bvt + offs_h[:, None] * stride_bvh + offs_dv[None, :], v_bits, mask=v_mask)
-    tl.store(K_Scale + offs_h * stride_ks + slot, k_scale, mask=h_mask)
-    tl.store(V_Scale + offs_h * stride_vs + slot, v_scale, mask=h_mask)
+    tl.store(K_Scale + slot * stride_ks + offs_h, k_scale, mask=h_mask)
+    tl.store(V_Scale + slot * stride_vs + offs_h, v_scale, mask=h_mask)
 
 
 def store_kv_to_pool(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:  # noqa: ANN001
