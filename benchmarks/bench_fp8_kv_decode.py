@@ -7,13 +7,15 @@ over the rotated keys): SDPA cuDNN on contiguous bf16 KV (the baseline), triton 
 e4m3 with one scale per layer (the old path), triton fp8 e4m3 with per-token scales (kernel alone, and
 with the per-layer query rotation), and the K/V store of one decode step and of a 4096-token prefill.
 do_bench medians, L2 flushed. --recall N: the embedded model answering N prompts of 62 pairs through
-triton and torch_native with auto / fp8_e4m3 / fp8_e5m2 KV.
+triton and torch_native with auto / fp8_e4m3 / fp8_e5m2 KV, per-token scales and (the old path) one static
+scale of 1.0 per layer; --device cpu runs only that, through torch_native.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import sys
 import time
@@ -107,7 +109,10 @@ def store_rows() -> list[dict]:
     return rows
 
 
-def recall_rows(n: int) -> list[dict]:
+def recall_rows(n: int, device: str, backends: list[str]) -> list[dict]:
+    """Exact answers of the embedded model; "static" rows give the backend one scale of 1.0 per layer (the old path)."""
+    from sglx.attention.llm.torch_native import TorchNativeBackend
+    from sglx.attention.llm.triton import TritonBackend
     from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
     from sglx.llm.engine import Engine
 
@@ -115,18 +120,22 @@ def recall_rows(n: int) -> list[dict]:
     examples = [make_example(rng, MAX_PAIRS) for _ in range(n)]
     prompts, answers = [p for p, _ in examples], [a for _, a in examples]
     rows = []
-    for backend in ("triton", "torch_native"):
-        for kv in ("auto", "fp8_e4m3", "fp8_e5m2"):
+    classes = {"triton": TritonBackend, "torch_native": TorchNativeBackend}
+    for backend in backends:
+        for kv in ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3 static", "fp8_e5m2 static"):
             row: dict = dict(backend=backend, kv_cache_dtype=kv, prompts=n, pairs=MAX_PAIRS)
             start = time.perf_counter()
+            classes[backend].kv_scales_per_token = not kv.endswith("static")
             try:
-                with Engine(attention_backend=backend, kv_cache_dtype=kv, device="cuda") as eng:
+                with Engine(attention_backend=backend, kv_cache_dtype=kv.split()[0], device=device) as eng:
                     row["dtype"] = str(eng.runner.dtype)
                     row["per_token_scales"] = bool(getattr(eng.runner.token_kv_pool, "per_token_scales", False))
                     results = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0})
                 row["accuracy"] = sum(normalize_output(r["text"]) == a for r, a in zip(results, answers)) / n
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                classes[backend].kv_scales_per_token = True
             row["seconds"] = round(time.perf_counter() - start, 1)
             rows.append(row)
             print(row, flush=True)
@@ -138,9 +147,13 @@ def main() -> None:
     ap.add_argument("--output", default="bench_fp8_kv_decode.json")
     ap.add_argument("--recall", type=int, default=0)
     ap.add_argument("--recall-only", action="store_true", help="skip the kernel timings")
+    ap.add_argument("--device", default="cuda", help="cpu: recall only, through torch_native")
     args = ap.parse_args()
     torch.manual_seed(0)
-    result: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    if args.device == "cpu":
+        args.recall_only = True
+    result: dict = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+                        torch=torch.__version__, triton=triton.__version__,
                         shape=dict(batch=BS, context=CTX, q_heads=HQ, kv_heads=HKV, head_dim=DIM, dtype=str(DTYPE)))
     out = Path(args.output)
     result["decode"], result["store"] = [], []
@@ -159,7 +172,8 @@ def main() -> None:
         result["store"] = store_rows()
         out.write_text(json.dumps(result, indent=1))
     if args.recall:
-        result["recall"] = recall_rows(args.recall)
+        result["recall"] = recall_rows(args.recall, args.device,
+                                       ["triton", "torch_native"] if args.device == "cuda" else ["torch_native"])
         out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['device']} torch {result['torch']} triton {result['triton']}; cuDNN bf16 {cudnn:.4f} ms")
     for r in result["decode"]:
@@ -170,7 +184,7 @@ def main() -> None:
     for r in result["store"]:
         print(f"store {r['tokens']:5d} tokens {r['kv']:26s} " + (f"{r['ms']:.4f} ms" if "ms" in r else r["error"]))
     for r in result.get("recall", []):
-        print(f"recall {r['backend']:12s} {r['kv_cache_dtype']:9s} " + (f"{r['accuracy']:.3f} ({r['dtype']})"
+        print(f"recall {r['backend']:12s} {r['kv_cache_dtype']:16s} " + (f"{r['accuracy']:.3f} ({r['dtype']})"
               if "accuracy" in r else r["error"]))
 
 
