@@ -59,7 +59,12 @@ class SpyModel(HashModel):
         self.placeholders = 0
 
     def forward(self, batch):  # noqa: ANN001, ANN201
-        self.unread_at_launch.append(self.scheduler._pending is not None)
+        s = self.scheduler
+        self.unread_at_launch.append(s._pending is not None)
+        table = s.req_to_token_pool.req_to_token
+        for r in s.running:  # the host copy of each row (read by the prefix cache) is the device table's
+            known = r.host_slots(r.kv_len)
+            assert known is not None and torch.equal(known, table[r.row, :r.kv_len].long()), r.rid
         return super().forward(batch)
 
 

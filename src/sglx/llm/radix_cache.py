@@ -77,6 +77,10 @@ class PrefixCache(ABC):
         req.cache_len, req.last_node = 0, None
 
     def _row_slots(self, req: Request, length: int) -> torch.Tensor:
+        """The request's first `length` KV slots: from its host copy (no device sync) when it has one."""
+        known = req.host_slots(length)
+        if known is not None:
+            return known
         return self.req_to_token_pool.req_to_token[req.row, :length].to("cpu", torch.int64)
 
     @abstractmethod
@@ -260,6 +264,7 @@ class RadixCache(PrefixCache):
         if aligned:
             table = self.req_to_token_pool.req_to_token
             table[req.row, :aligned] = new_slots.to(table.device, table.dtype, non_blocking=True)
+            req.record_slots(0, new_slots.to("cpu"))
         self.lock(node)
         self.unlock(req.last_node)
         req.cache_len, req.last_node = aligned, node

@@ -69,6 +69,10 @@ class Request:
         # entry of the newest one (its placeholder input id is -future)
         self.pending_tokens = 0
         self.future = 0
+        # host copy of this request's req_to_token row, valid for positions [0, _slots_known): the prefix
+        # cache reads it instead of the device table (a device read would wait for the step in flight)
+        self._slots: torch.Tensor | None = None
+        self._slots_known = 0
         # results
         self.text = ""
         self._sent_text = 0
@@ -185,12 +189,36 @@ class Request:
                            self.output_logprobs[start:] if self.return_logprob else None,
                            self.output_top_logprobs[start:] if self.top_logprobs_num else None)
 
+    # ------------------------------------------------------------------ KV slots on the host
+
+    def record_slots(self, start: int, slots: torch.Tensor) -> None:
+        """Remember that positions start.. of this request's req_to_token row now hold `slots` (CPU)."""
+        end = start + len(slots)
+        if start > self._slots_known:  # a gap: forget the copy (req_to_token stays the truth)
+            self._slots_known = 0
+            return
+        buf = self._slots
+        if buf is None or len(buf) < end:
+            grown = torch.zeros(max(end, 2 * (len(buf) if buf is not None else 0), 64), dtype=torch.int64)
+            if buf is not None:
+                grown[:len(buf)] = buf
+            self._slots = buf = grown
+        buf[start:end] = slots.to(torch.int64)
+        self._slots_known = max(self._slots_known, end)
+
+    def host_slots(self, length: int) -> torch.Tensor | None:
+        """A copy of the row's first `length` slots, or None when the host does not know them all."""
+        if self._slots is None or length > self._slots_known:
+            return None
+        return self._slots[:length].clone()
+
     # ------------------------------------------------------------------ retraction
 
     def reset_kv(self) -> None:
         """Forget KV bookkeeping after retraction; the prompt and outputs so far are recomputed later."""
         self.row, self.kv_len, self.cache_len, self.last_node, self.extend_len = 0, 0, 0, None, 0
         self.last_loc = -1
+        self._slots_known = 0
         self.num_retractions += 1
 
     def result(self) -> dict[str, Any]:

@@ -308,6 +308,7 @@ class Scheduler:
             offset += r.extend_len
             if r.extend_len:
                 r.last_loc = int(locs[offset - 1])
+                r.record_slots(r.kv_len, r.step_locs)
         return locs
 
     def _reserve(self, req: Request) -> int:
@@ -366,6 +367,7 @@ class Scheduler:
             if m:
                 table = self.req_to_token_pool.req_to_token
                 table[req.row, :m] = slots.to(table.device, table.dtype, non_blocking=True)
+                req.record_slots(0, slots.to("cpu"))
             req.kv_len = req.cache_len = m
             req.last_loc = -1
             req.last_node, req.extend_len = node, n
