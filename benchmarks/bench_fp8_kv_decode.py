@@ -153,8 +153,9 @@ def main() -> None:
     if args.device == "cpu":
         args.recall_only = True
     result: dict = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-                        torch=torch.__version__, triton=triton.__version__,
-                        shape=dict(batch=BS, context=CTX, q_heads=HQ, kv_heads=HKV, head_dim=DIM, dtype=str(DTYPE)))
+                        torch=torch.__version__, triton=triton.__version__)
+    if not args.recall_only:
+        result["shape"] = dict(batch=BS, context=CTX, q_heads=HQ, kv_heads=HKV, head_dim=DIM, dtype=str(DTYPE))
     out = Path(args.output)
     result["decode"], result["store"] = [], []
     cudnn = float("nan")
