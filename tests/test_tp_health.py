@@ -1,5 +1,6 @@
-"""A broken tensor-parallel group is visible on /health: `sglx serve --tp-size 2` (gloo, CPU) whose worker rank
-is killed answers 503 with the failure's one line, and the server still stops with no rank left behind."""
+"""`sglx serve --tp-size 2` (gloo, CPU): idle longer than the collective timeout, the group still serves (the
+driver parks its workers outside any collective); a worker rank killed turns /health into 503 with the failure's
+one line, and the server still stops with no rank left behind."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from llm_test_utils import make_tiny_model
 from server_test_utils import ServerProcess
@@ -27,12 +29,26 @@ def _worker_ranks(pid: int) -> list[psutil.Process]:
     return out
 
 
-def test_health_reports_a_dead_tp_rank(tmp_path: Path) -> None:
+def _complete(base_url: str) -> str:
+    resp = httpx.post(f"{base_url}/v1/completions", timeout=60,
+                      json={"prompt": "hello there", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+def test_idle_tp_group_survives_and_health_reports_a_dead_rank(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLX_DIST_TIMEOUT", "12")  # collectives time out after 12 s; workers park after 3 s idle
     model = make_tiny_model(tmp_path, "llama")
     server = ServerProcess(model, log_dir=tmp_path, engine_args=ENGINE_ARGS).wait_ready(timeout=180)
     try:
         ok = httpx.get(f"{server.base_url}/health", timeout=10)
         assert ok.status_code == 200 and ok.json() == {"status": "ok"}
+        first = _complete(server.base_url)
+        time.sleep(16)  # idle past the timeout: a worker waiting in a broadcast would have failed by now
+        ok = httpx.get(f"{server.base_url}/health", timeout=10)
+        assert ok.status_code == 200, ok.text
+        assert _complete(server.base_url) == first  # woken, in step: the same greedy text
         children = psutil.Process(server.proc.pid).children(recursive=True)
         (rank1,) = _worker_ranks(server.proc.pid)
         rank1.send_signal(signal.SIGKILL)

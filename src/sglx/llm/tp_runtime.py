@@ -16,6 +16,11 @@ runs the same forward on its own weight shards, KV pool (its local heads) and at
 The cost is one small broadcast per step (rows are int32 slot ids; a decode step of 64 requests at 8k
 context is 2 MB, microseconds over NVLink), plus the pickled header.
 
+Idle: a worker waiting for the next step sits in a broadcast, and collectives time out (SGLX_DIST_TIMEOUT,
+300 s): a server with no requests for that long would break its own group. So after a few idle seconds the
+driver broadcasts PARK; parked workers wait on a multiprocessing queue (no timeout) and the next step first puts
+a wake-up token there. Workers that torchrun started have no such queue and are never parked.
+
 Failure: a worker that raises reports one line and exits; the driver's watcher terminates every other
 worker and aborts the process group, so the driver's pending collective fails, the running requests end
 with that line and the engine refuses new work. A driver that dies takes its workers with it (they watch
@@ -48,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # workers load their shards while the driver loads its own
+PARK_AFTER_S = 5.0  # idle seconds before the workers are parked (at most a quarter of the collective timeout)
+WAKE, LEAVE = "wake", "leave"  # what a parked worker reads from its queue
 
 
 def validate_tp(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -144,12 +151,19 @@ class TPDriver:
         from sglx import platform
 
         self.platform = platform.current()  # probed once, here; the workers select from the same snapshot
+        self._step_lock = threading.Lock()  # one step (or park) on the wire at a time
+        self._parked = False
+        self._last_step = time.monotonic()
+        self._wake: list[Any] = []  # one queue per spawned worker: where parked workers wait
         if not spawn:
             self.workers: WorkerGroup | _LauncherWorkers = _LauncherWorkers()
             self.ctx = init_distributed(0, self.world_size, device=_device_for(config, 0))
             self.ctx.broadcast_object(self.platform)  # the launcher's ranks select from rank 0's snapshot
             return
-        self.workers = start_workers(_worker_main, self.world_size, (config, self.platform),
+        import torch.multiprocessing as mp
+
+        self._wake = [mp.get_context("spawn").Queue() for _ in range(self.world_size - 1)]
+        self.workers = start_workers(_worker_main, self.world_size, (config, self.platform, self._wake),
                                      on_failure=self._on_failure)
         self.ctx = self._join_group()
 
@@ -191,6 +205,8 @@ class TPDriver:
         runner = ModelRunner(self.config, dist=self.ctx, platform_snapshot=self.platform)
         runner.tp_driver = self
         self.runner = runner
+        if self._wake:
+            threading.Thread(target=self._park_when_idle, name="sglx-tp-park", daemon=True).start()
         return runner
 
     # ---------------------------------------------------------------- steps
@@ -200,15 +216,49 @@ class TPDriver:
 
         If this rank fails after the workers started the step, their collectives can never match again:
         the group is stopped and every later step raises that failure."""
-        self.send_step(batch)
-        try:
-            return compute(batch)
-        except Exception as exc:
-            failure = self.wait_for_failure(1.0)  # a worker's death shows up here as a collective error
-            if failure is not None:
-                raise failure from None
-            self.workers.stop_with_failure(0, f"{one_line(exc)} (the tensor-parallel group was stopped)")
-            raise
+        with self._step_lock:
+            self._unpark()
+            self.send_step(batch)
+            try:
+                return compute(batch)
+            except Exception as exc:
+                failure = self.wait_for_failure(1.0)  # a worker's death shows up here as a collective error
+                if failure is not None:
+                    raise failure from None
+                self.workers.stop_with_failure(0, f"{one_line(exc)} (the tensor-parallel group was stopped)")
+                raise
+            finally:
+                self._last_step = time.monotonic()
+
+    # ---------------------------------------------------------------- idle
+
+    def _unpark(self) -> None:
+        if self._parked:
+            for queue in self._wake:
+                queue.put(WAKE)
+            self._parked = False
+
+    def _park_when_idle(self) -> None:
+        """Park the workers once no step was sent for PARK_AFTER_S (or a quarter of the collective timeout)."""
+        from sglx.distributed.group import DEFAULT_TIMEOUT_S
+
+        timeout = float(os.environ.get("SGLX_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+        after = min(PARK_AFTER_S, timeout / 4)
+        while not self._closed and self.workers.failure is None:
+            time.sleep(min(1.0, after / 4))
+            if self._parked or time.monotonic() - self._last_step < after:
+                continue
+            if not self._step_lock.acquire(blocking=False):  # a step is running
+                continue
+            try:
+                if not self._parked and not self._closed and self.workers.failure is None and \
+                        time.monotonic() - self._last_step >= after:
+                    _broadcast_header(self.ctx, PARK)
+                    self._parked = True
+            except Exception:  # noqa: BLE001 - a broken group is reported by the workers' watcher
+                return
+            finally:
+                self._step_lock.release()
 
     def send_step(self, batch: ForwardBatch) -> None:
         """Broadcast the step to the workers (rank 0, right before its own forward)."""
@@ -248,9 +298,18 @@ class TPDriver:
             return
         self._closed = True
         if getattr(self, "ctx", None) is not None and self.workers.failure is None:
-            with contextlib.suppress(Exception):
-                _broadcast_stop(self.ctx)
-                self.workers.wait(30.0)
+            locked = self._step_lock.acquire(timeout=30.0)
+            try:
+                with contextlib.suppress(Exception):
+                    if self._parked:
+                        for queue in self._wake:
+                            queue.put(LEAVE)
+                    else:
+                        _broadcast_stop(self.ctx)
+                    self.workers.wait(30.0)
+            finally:
+                if locked:
+                    self._step_lock.release()
         self.workers.shutdown()
         with contextlib.suppress(Exception):
             destroy_distributed()
@@ -281,6 +340,7 @@ def _abort_group() -> None:
 _MODES = list(ForwardMode)
 _HEADER = 5  # mode, tokens, batch size, row width, return_all_logits
 STOP = -1  # the mode value that tells workers to leave
+PARK = -2  # the mode value that tells workers to wait on their queue (the driver is idle)
 
 
 def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
@@ -298,16 +358,22 @@ def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
     ctx.broadcast(torch.cat([p.to(device=ctx.device, dtype=torch.int64, non_blocking=True) for p in parts]))
 
 
+def _broadcast_header(ctx: DistContext, mode: int) -> None:
+    ctx.broadcast(torch.tensor([mode, 0, 0, 0, 0], dtype=torch.int64, device=ctx.device))
+
+
 def _broadcast_stop(ctx: DistContext) -> None:
-    ctx.broadcast(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=ctx.device))
+    _broadcast_header(ctx, STOP)
 
 
-def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None:
+def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | int | None:
     header = torch.empty(_HEADER, dtype=torch.int64, device=ctx.device)
     ctx.broadcast(header)
     mode, t, bs, width, all_logits = header.tolist()
     if mode == STOP:
         return None
+    if mode == PARK:
+        return PARK
     buf = torch.empty(3 * t + 4 * bs + bs * width, dtype=torch.int64, device=ctx.device)
     ctx.broadcast(buf)
     input_ids, positions, req_idx, out_loc, lens, rows = buf.split([t, t, bs, t, 3 * bs, bs * width])
@@ -325,10 +391,12 @@ def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | None
         extend_prefix_lens_cpu=prefix_lens if fmode.is_extend else [], return_all_logits=bool(all_logits))
 
 
-def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None) -> int:
+def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None,
+                 wake: list[Any] | None = None) -> int:
     """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends.
 
-    platform: rank 0's snapshot of the machine; None (torchrun) receives it from rank 0 after joining."""
+    platform: rank 0's snapshot of the machine; None (torchrun) receives it from rank 0 after joining.
+    wake: per-worker queues (sglx's spawn) where the worker waits while the driver has it parked."""
     from sglx.llm.model_runner import ModelRunner
 
     if _device_for(config, rank).type == "cpu":
@@ -343,6 +411,10 @@ def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: Pla
             batch = _receive_batch(ctx, runner)
             if batch is None:
                 break
+            if isinstance(batch, int):  # PARK: the driver is idle; wait outside any collective
+                if wake is None or wake[rank - 1].get() == LEAVE:
+                    break
+                continue
             runner.forward(batch)
             steps += 1
     runner.release_memory()
