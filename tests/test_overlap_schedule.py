@@ -277,3 +277,17 @@ def test_cli_flag_turns_overlap_off(llama) -> None:  # noqa: ANN001
                            "--disable-overlap-schedule"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0])["output_ids"] == refs[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{"attention_backend": "triton"},  # decode steps replay CUDA graphs
+                                   {"attention_backend": "triton", "disable_cuda_graph": True}])
+def test_cuda_identical_with_and_without_overlap(llama, flags: dict) -> None:  # noqa: ANN001
+    """On the GPU the host really runs ahead: the same outputs, the graph's in-graph argmax feeding the future map."""
+    path, ids, refs = llama
+    on = _engine_outputs(path, True, ids, device="cuda", **flags)
+    off = _engine_outputs(path, False, ids, device="cuda", **flags)
+    assert [r["output_ids"] for r in on["greedy"]] == refs
+    for key in ("greedy", "again", "one", "stop_id", "stop_str", "seeded", "after_abort"):
+        assert [r["output_ids"] for r in _public(on[key])] == [r["output_ids"] for r in _public(off[key])], key
+        assert [r["finish_reason"] for r in _public(on[key])] == [r["finish_reason"] for r in _public(off[key])], key
