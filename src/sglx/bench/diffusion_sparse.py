@@ -201,6 +201,7 @@ class _Row:
     of: str = ""  # the sglx row an anchor reproduces
     prepare: Callable[[], None] | None = None  # before every call (SVG2: keep k-means warm-started)
     timed: Callable[[], object] | None = None  # what is timed, when not `fn` (anchors: the kernel alone)
+    replan: Callable[[], tuple[torch.Tensor, float]] | None = None  # (allowed, density) of the call just made
 
 
 def _dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, tol: float,
@@ -307,6 +308,8 @@ def _measure(row: _Row, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows:
         if row.prepare is not None:
             row.prepare()
         got = row.fn()[:, rows].double()
+        if row.replan is not None:  # a data-dependent plan is made anew by each call: check against this one's
+            row.allowed, row.density = row.replan()
         want = dense if row.allowed is None else masked_rows_reference(q, k, v, row.allowed, rows, scale)
         err = (got - want).abs().max().item()
         out.update(density=1.0 if row.allowed is None else row.density, max_abs_err=err, tolerance=row.tol,
@@ -353,7 +356,14 @@ def _backend_rows(req: BackendRequest, spec: Any, backend: Any, q: torch.Tensor,
     allowed = rows_mask(view, rows, q.shape[0], q.shape[2], k.shape[2])
     route = getattr(backend, "route", None)
     detail = f"route {route}" + ("; k-means warm-started (kmeans_iter_step)" if prepare else "")
-    out = [_Row(req.label, "sglx", call, tol, allowed, view.density, detail, prepare=prepare)]
+
+    def replan() -> tuple[torch.Tensor, float]:
+        again = plan_view(backend, q, k, meta, layer, scale)
+        if again is None:
+            raise RuntimeError(f"{req.label}: the checked call ran dense after a sparse planning call")
+        return rows_mask(again, rows, q.shape[0], q.shape[2], k.shape[2]), again.density
+
+    out = [_Row(req.label, "sglx", call, tol, allowed, view.density, detail, prepare=prepare, replan=replan)]
     if anchors:
         out.append(_flex_row(view, q, k, v, scale, req.label, tol, allowed, device))
         out.extend(_upstream_rows(spec.name, view, backend, q, k, v, meta, layer, scale, req.label, tol, allowed))
