@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -73,7 +73,6 @@ class SparseCompareConfig:
     warmup_ms: float | None = None
     rep_ms: float | None = None
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.canvas) != 3 or min(self.canvas) < 1:
