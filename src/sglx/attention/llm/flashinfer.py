@@ -33,6 +33,7 @@ import torch
 
 from sglx.attention.kernels.page_table import build_page_table, page_table_torch, paged_lengths
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.attention.llm.plan_fence import PlanFence
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -164,6 +165,7 @@ class FlashInferBackend(AttentionBackend):
         self.wrappers: dict[tuple[str, LayerKind], Any] = {}
         self.meta: StepMeta | None = None
         self.graph: GraphState | None = None
+        self.plan_fence = PlanFence(ctx.device)  # plans reuse a pinned buffer: safe under overlap scheduling
 
     # ------------------------------------------------------------------ metadata
     def _device_page_table(self, batch: ForwardBatch, indptr_host: list[int]) -> torch.Tensor:
@@ -230,6 +232,8 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, meta: StepMeta, kind: LayerKind) -> None:
         ctx = self.ctx
         wrapper = self._wrapper(meta, kind)
+        if not meta.planned:  # the step's first plan: the previous step's staged copy must be done
+            self.plan_fence.before()
         common = dict(window_left=kind.window_left, logits_soft_cap=kind.logit_cap, sm_scale=kind.scaling,
                       q_data_type=ctx.dtype)
         if meta.phase == "ragged":
@@ -246,6 +250,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(meta.kv_indptr, indices, meta.last_page_len, ctx.num_q_heads, ctx.num_kv_heads,
                          ctx.head_dim, self.page_size, kv_data_type=self.kv_dtype, **common)
         meta.planned.add(kind)
+        self.plan_fence.after()
 
     def _planned_wrapper(self, layer: LayerSpec) -> Any:
         meta = self.meta

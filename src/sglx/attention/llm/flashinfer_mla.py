@@ -23,6 +23,7 @@ import torch
 from sglx.attention.kernels.kv_indices import build_kv_metadata
 from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.mla_base import MLAAttentionBackend, MLALayerSpec, MLAProjections, absorb_q, apply_uv
+from sglx.attention.llm.plan_fence import PlanFence
 from sglx.attention.llm.torch_native import gather_kv_indices
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
@@ -69,6 +70,7 @@ class FlashInferMLABackend(MLAAttentionBackend):
         self._wrapper_class = BatchMLAPagedAttentionWrapper
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace)
+        self.plan_fence = PlanFence(ctx.device)  # plans reuse a pinned buffer: safe under overlap scheduling
         self.plan: _Plan | None = None
         self.graph: _GraphState | None = None
 
@@ -101,12 +103,13 @@ class FlashInferMLABackend(MLAAttentionBackend):
                 self.graph.key = key
         return plan
 
-    @staticmethod
-    def _run_plan(plan: _Plan, key: tuple) -> None:
+    def _run_plan(self, plan: _Plan, key: tuple) -> None:
         heads, ckv, kpe, scale, dtype, kv_dtype = key
+        self.plan_fence.before()  # the previous step's staged copy out of the shared pinned buffer must be done
         plan.wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, heads, ckv, kpe, 1,  # type: ignore[attr-defined]
                           plan.causal, scale, dtype, kv_dtype)
         plan.planned = key
+        self.plan_fence.after()
 
     # ------------------------------------------------------------------ CUDA graphs (decode only)
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
