@@ -15,6 +15,7 @@ import torch
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
 from sglx.attention.llm.fa_metadata import FlashGraphState, FlashMetadata, build_flash_metadata
+from sglx.attention.llm.kv_store import rotary_and_store, store_step_kv
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -86,33 +87,12 @@ class PagedFlashBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ K/V stores
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
-        if not k.is_cuda:  # CPU tests with a stand-in kernel: the pool's own store
-            self.save_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
-                         layer, batch)
-            return
-        from sglx.attention.kernels.store_kv import store_kv
-
-        pool = batch.token_kv_pool
-        i = layer.layer_id
-        store_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
-                 pool.k_buffer[i], pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                 pool.fp8_dtype)
+        store_step_kv(k, v, layer, batch)
 
     def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
         """Rotary on q/k with the K/V store folded in (one launch per layer), as the triton backend does."""
-        from sglx.llm.kernels import use_fused
-
-        if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
-            return False
-        from sglx.llm.kernels.rotary import apply_rotary_and_store_
-
-        pool = batch.token_kv_pool
-        i = layer.layer_id
-        apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
-                                pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                                pool.fp8_dtype)
-        return True
+        return rotary_and_store(q, k, v, cos, sin, layer, batch)
 
     # ------------------------------------------------------------------ attention
     def paged_cache(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

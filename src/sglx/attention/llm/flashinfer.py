@@ -33,6 +33,7 @@ import torch
 
 from sglx.attention.kernels.page_table import build_page_table, page_table_torch, paged_lengths
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.attention.llm.kv_store import rotary_and_store, store_step_kv
 from sglx.attention.llm.plan_fence import PlanFence
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
@@ -265,23 +266,12 @@ class FlashInferBackend(AttentionBackend):
     # ------------------------------------------------------------------ KV store
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
         """This step's K/V into the pool: sglx's Triton store kernel on GPUs (fp8 encode included)."""
-        if not k.is_cuda:
-            self.save_kv(k, v, layer, batch)
-            return
-        from sglx.attention.kernels.store_kv import store_kv
-
-        pool = batch.token_kv_pool
-        i = layer.layer_id
-        store_kv(k.reshape(k.shape[0], layer.num_kv_heads, -1), v.reshape(v.shape[0], layer.num_kv_heads, -1),
-                 pool.k_buffer[i], pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                 pool.fp8_dtype)
+        store_step_kv(k, v, layer, batch)
 
     def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
         """Rotary with the K/V store folded in, sglx's fused kernel (the same one the triton backend uses)."""
-        from sglx.attention.llm.triton import TritonBackend
-
-        return TritonBackend.rotary_and_save(self, q, k, v, cos, sin, layer, batch)  # type: ignore[arg-type]
+        return rotary_and_store(q, k, v, cos, sin, layer, batch)
 
     def paged_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers as FlashInfer NHD pages [pages, page_size, Hkv, D] (views, no copy)."""

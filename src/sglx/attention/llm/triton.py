@@ -28,8 +28,8 @@ from sglx.attention.kernels.decode_attention import (
 )
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_metadata
-from sglx.attention.kernels.store_kv import store_kv_to_pool
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.attention.llm.kv_store import rotary_and_store, store_step_kv
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -177,26 +177,12 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ attention
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
-        store_kv_to_pool(batch.token_kv_pool, layer.layer_id, k.reshape(k.shape[0], layer.num_kv_heads, -1),
-                         v.reshape(v.shape[0], layer.num_kv_heads, -1), batch.out_cache_loc)
+        store_step_kv(k, v, layer, batch, kernel_on_cpu=True)  # CPU tensors: the kernel under the interpreter
 
     def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
         """Rotary on q/k with the K/V store folded in (one launch per layer instead of two), CUDA only."""
-        from sglx.llm.kernels import use_fused
-
-        if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
-            return False
-        if getattr(batch.token_kv_pool, "per_token_scales", False):
-            return False  # per-token fp8 scales and the key rotation are written by store_kv_to_pool
-        from sglx.llm.kernels.rotary import apply_rotary_and_store_
-
-        pool = batch.token_kv_pool
-        i = layer.layer_id
-        apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
-                                pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                                pool.fp8_dtype)
-        return True
+        return rotary_and_store(q, k, v, cos, sin, layer, batch)
 
     def _kernel_args(self, layer: LayerSpec, batch: ForwardBatch) -> dict:
         pool = batch.token_kv_pool

@@ -1,0 +1,49 @@
+"""Writing a step's K/V into the paged pool, shared by every backend that reads the pool in place.
+
+One store path means one fp8 encoding: triton, fa3/fa4, flashinfer and trtllm_mha all write the pool with
+sglx's Triton store kernel (static or per-token scales, whichever the pool holds), and all fold the store
+into the rotary kernel the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglx.attention.kernels.store_kv import store_kv_to_pool
+from sglx.attention.llm.base import LayerSpec
+from sglx.llm.forward_batch import ForwardBatch
+
+
+def store_step_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch,
+                  kernel_on_cpu: bool = False) -> None:
+    """k/v [T, Hkv*D] or [T, Hkv, D] -> the pool at `batch.out_cache_loc`.
+
+    The Triton store kernel runs on CUDA tensors, and on CPU ones only when `kernel_on_cpu` (the triton
+    backend under the interpreter); otherwise CPU tensors go through the pool's own `set_kv`.
+    """
+    k = k.reshape(k.shape[0], layer.num_kv_heads, -1)
+    v = v.reshape(v.shape[0], layer.num_kv_heads, -1)
+    pool = batch.token_kv_pool
+    if not (k.is_cuda or kernel_on_cpu):
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        return
+    store_kv_to_pool(pool, layer.layer_id, k, v, batch.out_cache_loc)
+
+
+def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     layer: LayerSpec, batch: ForwardBatch) -> bool:
+    """Rotary on q/k in place with the K/V store folded in (one launch per layer); False where it can't."""
+    from sglx.llm.kernels import use_fused
+
+    if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
+        return False
+    pool = batch.token_kv_pool
+    if getattr(pool, "per_token_scales", False):
+        return False  # per-token fp8 scales and the key rotation are written by store_kv_to_pool
+    from sglx.llm.kernels.rotary import apply_rotary_and_store_
+
+    i = layer.layer_id
+    apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
+                            pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
+                            pool.fp8_dtype)
+    return True
