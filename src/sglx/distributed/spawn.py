@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from sglx.distributed.group import MULTICAST_OFF_ENV, destroy_distributed
+from sglx.distributed.group import MULTICAST_OFF_ENV, DistContext, destroy_distributed, init_distributed
 from sglx.errors import SglxError
 
 TERMINATE_GRACE_S = 3.0
@@ -209,6 +209,35 @@ class WorkerGroup:
     @property
     def done(self) -> bool:
         return all(r in self._values for r in self.ranks)
+
+    def join_as_driver(self, *, device: str | None, what: str, timeout_s: float) -> DistContext:
+        """init_distributed as rank 0 on a thread, so that a worker dying first ends the wait at once.
+
+        `what` names the ranks in the timeout's line ("tensor-parallel workers"); the caller decides whether
+        a failure here also ends the workers.
+        """
+        init_method = f"tcp://{self.master_addr}:{self.master_port}"  # this process's environment untouched
+        box: list[Any] = []
+
+        def join() -> None:
+            try:
+                box.append(init_distributed(0, self.world_size, init_method=init_method, device=device))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box.append(exc)
+
+        thread = threading.Thread(target=join, name="sglx-driver-init", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            thread.join(0.1)
+            failure = self.failure
+            if failure is not None:
+                raise failure
+            if time.monotonic() > deadline:
+                raise WorkerError(f"{what} did not join within {timeout_s:.0f} s")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     def stop_with_failure(self, rank: int, message: str) -> None:
         """Record a failure found outside the workers (e.g. in the driver's own rank) and end every worker."""

@@ -170,34 +170,15 @@ class TPDriver:
     # ---------------------------------------------------------------- startup
 
     def _join_group(self) -> DistContext:
-        """init_distributed as rank 0, on a thread so that a worker dying first ends the wait at once."""
+        """Rank 0 joins the group; any failure on the way ends the workers too."""
         workers = self.workers
         assert isinstance(workers, WorkerGroup)
-        init_method = f"tcp://{workers.master_addr}:{workers.master_port}"  # this process's environment untouched
-        box: list[Any] = []
-
-        def join() -> None:
-            try:
-                box.append(init_distributed(0, self.world_size, init_method=init_method,
-                                            device=_device_for(self.config, 0)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                box.append(exc)
-
-        thread = threading.Thread(target=join, name="sglx-tp-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while thread.is_alive():
-            thread.join(0.1)
-            if self.workers.failure is not None:
-                self.workers.shutdown()
-                raise self.workers.failure
-            if time.monotonic() > deadline:
-                self.workers.shutdown()
-                raise WorkerError(f"tensor-parallel workers did not join within {STARTUP_TIMEOUT_S:.0f} s")
-        if isinstance(box[0], BaseException):
-            self.workers.shutdown()
-            raise box[0]
-        return box[0]
+        try:
+            return workers.join_as_driver(device=_device_for(self.config, 0), what="tensor-parallel workers",
+                                          timeout_s=STARTUP_TIMEOUT_S)
+        except BaseException:
+            workers.shutdown()
+            raise
 
     def build_runner(self) -> ModelRunner:
         from sglx.llm.model_runner import ModelRunner

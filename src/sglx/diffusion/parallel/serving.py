@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from typing import Any
 
 import torch
@@ -175,30 +174,8 @@ class SPServingEngine:
     # ---------------------------------------------------------------- start and stop
 
     def _join_group(self, device_type: str) -> None:
-        """init_distributed as rank 0, on a thread, so that a follower dying first ends the wait at once."""
-        from sglx.distributed.group import init_distributed
-
-        init_method = f"tcp://{self.workers.master_addr}:{self.workers.master_port}"
-        box: list[Any] = []
-
-        def join() -> None:
-            try:
-                box.append(init_distributed(0, self.world_size, init_method=init_method,
-                                            device="cpu" if device_type == "cpu" else None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                box.append(exc)
-
-        thread = threading.Thread(target=join, name="sglx-sp-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while thread.is_alive():
-            thread.join(0.1)
-            if self.workers.failure is not None:
-                raise self.workers.failure
-            if time.monotonic() > deadline:
-                raise WorkerError(f"sequence-parallel ranks did not join within {STARTUP_TIMEOUT_S:.0f} s")
-        if isinstance(box[0], BaseException):
-            raise box[0]
+        self.workers.join_as_driver(device="cpu" if device_type == "cpu" else None,
+                                    what="sequence-parallel ranks", timeout_s=STARTUP_TIMEOUT_S)
 
     def _on_failure(self, error: WorkerError) -> None:
         log.error("%s", error)
