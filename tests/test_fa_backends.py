@@ -164,7 +164,7 @@ STEPS = [("extend", [40, 7, 1]), ("decode", [1, 1, 1]), ("mixed", [1, 20, 1]), (
 @pytest.mark.parametrize("name", ["fa3", "fa4"])
 @pytest.mark.parametrize("page,window,cap", [(16, None, 0.0), (128, 9, 0.0), (1, None, 20.0), (16, 30, 10.0)])
 def test_backend_calls_match_float64_through_the_fa_contract(monkeypatch, name, page, window, cap) -> None:
-    from triton_interpreted.paged import make_paged_cache, reference_attention
+    from triton_interpreted.paged import make_paged_cache, reference_attention, step_batch
 
     monkeypatch.setattr(PagedFlashBackend, "_check_context", lambda self, ctx: None)  # CPU: no GPU checks
     cls = find(name, "llm", "mha").load()
@@ -180,14 +180,7 @@ def test_backend_calls_match_float64_through_the_fa_contract(monkeypatch, name, 
     for step, new in STEPS:
         mode = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE, "mixed": ForwardMode.MIXED}[step]
         hi = [a + n for a, n in zip(lo, new)]
-        batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-            req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi),
-            out_cache_loc=torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))]),
-            req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
-            extend_seq_lens_cpu=list(new) if mode.is_extend else [],
-            extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+        batch = step_batch(cache, mode, lo, new)
         q = torch.randn(sum(new), hq, dim, generator=gen)
         k = torch.cat([kk[a:b] for kk, a, b in zip(cache.raw_keys, lo, hi)])
         v = torch.cat([vv[a:b] for vv, a, b in zip(cache.raw_values, lo, hi)])

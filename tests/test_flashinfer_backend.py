@@ -23,9 +23,9 @@ from sglx.attention.llm.base import BackendContext, LayerSpec
 from sglx.attention.llm.torch_native import TorchNativeBackend
 from sglx.attention.registry import availability, find
 from sglx.errors import BackendUnavailableError
-from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+from sglx.llm.forward_batch import ForwardMode
 from triton_interpreted.launch import run_interpreted
-from triton_interpreted.paged import make_paged_cache
+from triton_interpreted.paged import make_paged_cache, step_batch
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -308,14 +308,7 @@ def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec]
         outs = []
         q = torch.randn(sum(new), hq, dim, generator=gen)
         for cache, backend in zip(caches, (mine, ref)):
-            batch = ForwardBatch(
-                mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-                positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-                req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi),
-                out_cache_loc=torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))]),
-                req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
-                extend_seq_lens_cpu=list(new) if mode.is_extend else [],
-                extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+            batch = step_batch(cache, mode, lo, new)
             k = torch.cat([kk[a:b] for kk, a, b in zip(cache.raw_keys, lo, hi)])
             v = torch.cat([vv[a:b] for vv, a, b in zip(cache.raw_values, lo, hi)])
             backend.init_forward_metadata(batch)

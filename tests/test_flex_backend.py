@@ -22,27 +22,14 @@ from sglx.attention.llm.flex_masks import KV_BLOCK, Q_BLOCK
 from sglx.attention.llm.torch_native import TorchNativeBackend
 from sglx.attention.registry import find
 from sglx.errors import BackendUnavailableError, ConfigError
-from sglx.llm.forward_batch import ForwardBatch, ForwardMode
-from triton_interpreted.paged import PagedCache, make_paged_cache, reference_attention
+from sglx.llm.forward_batch import ForwardMode
+from triton_interpreted.paged import PagedCache, make_paged_cache, reference_attention, step_batch
 
 DIM = 16
 PREFIX = [0, 13, 37, 5]
 STEPS = [(ForwardMode.EXTEND, [21, 6, 1, 140]), (ForwardMode.DECODE, [1, 1, 1, 1]),
          (ForwardMode.MIXED, [1, 4, 1, 2]), (ForwardMode.DECODE, [1, 1, 1, 1])]
 TOL = 2e-5
-
-
-def _batch(cache: PagedCache, mode: ForwardMode, lo: list[int], new: list[int]) -> ForwardBatch:
-    hi = [a + n for a, n in zip(lo, new)]
-    loc = torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))])
-    extend = mode.is_extend
-    return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-        positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-        req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi), out_cache_loc=loc,
-        req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
-        extend_seq_lens_cpu=list(new) if extend else [], extend_prefix_lens_cpu=list(lo) if extend else [],
-    )
 
 
 def _ctx(cache: PagedCache, hq: int, hkv: int, page: int, **config) -> BackendContext:
@@ -77,7 +64,7 @@ def _replay(page: int, hq: int, hkv: int, window: int | None, cap: float, shared
         q = torch.randn(sum(new), hq, DIM, generator=gen)
         outs = []
         for cache, backend in zip(caches, (flex, native)):
-            batch = _batch(cache, mode, lo, new)
+            batch = step_batch(cache, mode, lo, new)
             k = torch.cat([kk[a:a + n] for kk, a, n in zip(cache.raw_keys, lo, new)])
             v = torch.cat([vv[a:a + n] for vv, a, n in zip(cache.raw_values, lo, new)])
             backend.init_forward_metadata(batch)
@@ -122,7 +109,7 @@ def _step_mask(page: int, mode: ForwardMode, window: int | None, prefix: list[in
     cache.rows.pop()  # the last request only spreads the others over a larger pool
     backend = FlexAttentionBackend(_ctx(cache, 4, 2, page, compile="on"))  # compiled: the whole pool is the window
     lo = list(prefix) if mode.is_extend else [p + n for p, n in zip(prefix, steps[0][1])]
-    backend.init_forward_metadata(_batch(cache, mode, lo, steps[-1][1]))
+    backend.init_forward_metadata(step_batch(cache, mode, lo, steps[-1][1]))
     assert backend.step is not None
     backend.step.full_blocks = full_blocks  # as on CUDA (CPU Inductor cannot build them)
     return backend.step.block_mask(window), backend.step.layout.length

@@ -22,26 +22,13 @@ from sglx.attention.llm.torch_native import TorchNativeBackend  # noqa: E402
 from sglx.attention.llm.triton import TritonBackend  # noqa: E402
 from sglx.attention.registry import find  # noqa: E402
 from sglx.errors import BackendUnavailableError  # noqa: E402
-from sglx.llm.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from triton_interpreted.paged import PagedCache, make_paged_cache, reference_attention  # noqa: E402
+from sglx.llm.forward_batch import ForwardMode  # noqa: E402
+from triton_interpreted.paged import PagedCache, make_paged_cache, reference_attention, step_batch  # noqa: E402
 
 HQ, HKV, DIM = 4, 2, 64
 PREFIX = [0, 13, 37]
 STEPS = [(ForwardMode.EXTEND, [21, 6, 1]), (ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.MIXED, [1, 4, 1]),
          (ForwardMode.DECODE, [1, 1, 1])]
-
-
-def _batch(cache: PagedCache, mode: ForwardMode, lo: list[int], new: list[int]) -> ForwardBatch:
-    hi = [a + n for a, n in zip(lo, new)]
-    loc = torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))])
-    extend = mode.is_extend
-    return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-        positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-        req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi), out_cache_loc=loc,
-        req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
-        extend_seq_lens_cpu=list(new) if extend else [], extend_prefix_lens_cpu=list(lo) if extend else [],
-    )
 
 
 def _backend(cls, cache: PagedCache, page: int):
@@ -71,7 +58,7 @@ def test_triton_backend_equals_torch_native_step_by_step(page, kv_cache_dtype, s
         q = torch.randn(sum(new), HQ, DIM, generator=gen)
         outs = []
         for cache, backend in zip(caches, (triton_be, native_be)):
-            batch = _batch(cache, mode, lo, new)
+            batch = step_batch(cache, mode, lo, new)
             k = torch.cat([kk[a:a + n] for kk, a, n in zip(cache.raw_keys, lo, new)])
             v = torch.cat([vv[a:a + n] for vv, a, n in zip(cache.raw_values, lo, new)])
             backend.init_forward_metadata(batch)

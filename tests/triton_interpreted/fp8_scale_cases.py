@@ -21,7 +21,7 @@ from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E4
 from sglx.attention.kernels.kv_indices import build_kv_indptr  # noqa: E402
 from sglx.attention.kernels.store_kv import store_kv, store_kv_to_pool  # noqa: E402
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool  # noqa: E402
-from triton_interpreted.paged import reference_attention  # noqa: E402
+from triton_interpreted.paged import reference_attention, step_batch  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
@@ -181,7 +181,7 @@ def test_triton_backend_with_per_token_pool_equals_float64_through_every_step():
     from sglx.attention.llm.base import BackendContext, LayerSpec
     from sglx.attention.llm.torch_native import TorchNativeBackend
     from sglx.attention.llm.triton import TritonBackend
-    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+    from sglx.llm.forward_batch import ForwardMode
 
     hq, hkv, dim, page = 4, 2, 64, 16
     prefix = [0, 5, 17]
@@ -198,14 +198,7 @@ def test_triton_backend_with_per_token_pool_equals_float64_through_every_step():
         q = torch.randn(sum(new), hq, dim, generator=gen)
         outs = []
         for cache, backend in zip(caches, backends):
-            batch = ForwardBatch(
-                mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-                positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-                req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi),
-                out_cache_loc=torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))]),
-                req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
-                extend_seq_lens_cpu=list(new) if mode.is_extend else [],
-                extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+            batch = step_batch(cache, mode, lo, new)
             k = torch.cat([kk[a:b] for kk, a, b in zip(cache.raw_k, lo, hi)])
             v = torch.cat([vv[a:b] for vv, a, b in zip(cache.raw_v, lo, hi)])
             backend.init_forward_metadata(batch)

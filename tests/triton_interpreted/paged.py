@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
 
 
@@ -88,3 +89,18 @@ def make_paged_cache(lens: list[int], page: int, hkv: int, dim: int, dtype: torc
         cache.raw_keys.append(k)
         cache.raw_values.append(v)
     return cache
+
+
+def step_batch(cache, mode: ForwardMode, lo: list[int], new: list[int]) -> ForwardBatch:  # noqa: ANN001
+    """The step that adds new[i] tokens after lo[i] cached ones for each request of `cache` (any object with
+    r2t, pool, rows and slots(i, lo, hi), e.g. PagedCache)."""
+    hi = [a + n for a, n in zip(lo, new)]
+    loc = torch.cat([cache.slots(i, a, b) for i, (a, b) in enumerate(zip(lo, hi))])
+    extend = mode.is_extend
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
+        positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
+        req_pool_indices=torch.tensor(cache.rows), seq_lens=torch.tensor(hi), out_cache_loc=loc,
+        req_to_token_pool=cache.r2t, token_kv_pool=cache.pool, seq_lens_cpu=hi,
+        extend_seq_lens_cpu=list(new) if extend else [], extend_prefix_lens_cpu=list(lo) if extend else [],
+    )
