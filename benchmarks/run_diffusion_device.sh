@@ -8,10 +8,7 @@ TAG=${1:-h100}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ] && ls /tmp/parts/cu13.part_* >/dev/null 2>&1; then
-  cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
-fi
-export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. benchmarks/device_fa4_setup.sh
 python3 - <<'PY' | tee "$OUT/versions_$TAG.txt"
 import importlib, torch, triton
 print("gpu", torch.cuda.get_device_name(0), "torch", torch.__version__, "cuda", torch.version.cuda,

@@ -9,21 +9,10 @@
 set -u
 OUT=${OUT:-/tmp/out}
 STAGE=${STAGE:-fa4}
-mkdir -p "$OUT" /tmp/parts /tmp/site
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for d in .whl/fa/c1 .whl/fa/c2; do
-  [ -d "$d" ] && cp -n "$d"/cu13.part_* /tmp/parts/ 2>/dev/null
-done
-if [ -d .whl/fa/c1 ] && [ ! -d /tmp/site/flash_attn/cute ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fa/c1/*.whl > "$OUT/pip.txt" 2>&1
-  echo "pip rc=$?"
-fi
-if [ ! -f /tmp/site/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so ] \
-    && [ "$(ls /tmp/parts/cu13.part_* 2>/dev/null | wc -l)" = 3 ]; then
-  cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
-  echo "cu13 unpack rc=$?"
-fi
-export PYTHONPATH=src:tests:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+FA4_PIP_LOG="$OUT/pip.txt" . benchmarks/device_fa4_setup.sh
+export PYTHONPATH=$PYTHONPATH:tests
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"

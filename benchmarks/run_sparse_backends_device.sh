@@ -16,17 +16,9 @@ set -u
 TAG=${1:-h100}
 PHASE=${PHASE:-1}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/parts /tmp/site
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for d in .whl/fa/c1 .whl/fa/c2; do
-  [ -d "$d" ] && cp -n "$d"/cu13.part_* /tmp/parts/ 2>/dev/null
-done
-if [ -d .whl/fa/c1 ] && [ ! -d /tmp/site/flash_attn ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fa/c1/*.whl > /dev/null 2>&1
-fi
-if [ ! -d /tmp/site/nvidia_cutlass_dsl/lib ] && [ "$(ls /tmp/parts/cu13.part_* 2>/dev/null | wc -l)" = 3 ]; then
-  cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
-fi
+. benchmarks/device_fa4_setup.sh
 # fastvideo-kernel: its Python package (.whl/fvs) plus, carried in phase 1 (.whl/fvx), its compiled extension
 # and bundled cudart, with the machine's libcuda under the bundled name. Used only if the extension imports in a
 # separate process; otherwise the Python package alone (upstream then runs its Triton paths).
@@ -43,7 +35,7 @@ if [ -d .whl/fvx ] && [ ! -d /tmp/fvk ]; then
 fi
 FV=.whl/fvs
 [ -d /tmp/fvk ] && FV=/tmp/fvk
-export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$FV
+export PYTHONPATH=$PYTHONPATH:$FV
 echo "fastvideo_kernel from $FV"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 TESTS="tests/test_block_sparse_attention.py tests/test_sliding_tile.py tests/test_sparse_backends.py"

@@ -6,18 +6,9 @@
 set -u
 TAG=${1:-h100}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/parts /tmp/site
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for d in .whl/fa/c1 .whl/fa/c2; do
-  [ -d "$d" ] && cp -n "$d"/cu13.part_* /tmp/parts/ 2>/dev/null
-done
-if [ -d .whl/fa/c1 ] && [ ! -d /tmp/site/flash_attn ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fa/c1/*.whl > /dev/null 2>&1
-fi
-if [ ! -d /tmp/site/nvidia_cutlass_dsl/lib ] && [ "$(ls /tmp/parts/cu13.part_* 2>/dev/null | wc -l)" = 3 ]; then
-  cat /tmp/parts/cu13.part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
-fi
-export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. benchmarks/device_fa4_setup.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_block_sparse_attention.py tests/test_sliding_tile.py > "$OUT/gpu_tests_block_sparse_$TAG.txt" 2>&1
 tail -3 "$OUT/gpu_tests_block_sparse_$TAG.txt"
