@@ -115,11 +115,19 @@ def _release_on_sigterm() -> None:
     import signal
 
     def handler(signum: int, _frame: Any) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signum})  # a second SIGTERM must not cut the release short
         release_semaphores()
         signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        os.kill(os.getpid(), signum)  # pending until unblocked below, then fatal
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _block_sigterm() -> None:
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, env: dict[str, str],
@@ -133,6 +141,10 @@ def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
         results.put((rank, False, one_line(exc), traceback.format_exc()))
         results.close()
         results.join_thread()
+        # The parent terminates the other ranks as soon as it reads this report, this one too if it is still
+        # alive: a SIGTERM landing inside a semaphore's finalizer (unlinked, not yet unregistered) would leave
+        # the tracker a name it warns about, so SIGTERM waits until os._exit.
+        _block_sigterm()
         release_semaphores()  # os._exit skips the finalizers that would
         os._exit(1)  # skip torch's atexit teardown, which can block on a group whose peers are gone
     # pickled here with the standard pickler: torch's queue reducers would pass tensors as shared-memory
