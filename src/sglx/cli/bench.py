@@ -208,11 +208,17 @@ def one_batch(
     input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request."),
     output_len: int = typer.Option(16, "--output-len", help="Generated tokens per request (1 from the prefill, "
                                    "the rest from decode steps)."),
+    prefill_runs: int = typer.Option(5, "--prefill-runs", help="Timed prefills after the warm-up one (median "
+                                     "reported)."),
+    prefill_floor: bool = typer.Option(True, "--prefill-floor/--no-prefill-floor",
+                                       help="Also time the prefill's GEMMs and SDPA attention alone (its compute "
+                                            "floor, same run)."),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # filled by @with_engine_options
 ) -> None:
-    """Latency of one static batch without a server: prefill, per-step decode and the memory-roofline floor.
+    """Latency of one static batch without a server: prefill against its compute floor (GEMMs + attention),
+    per-step decode against the memory-roofline floor.
 
     E.g. `sglx bench one-batch --model-path llama-3.1-8b --load-format dummy --batch-size 1,64`.
     """
@@ -221,7 +227,8 @@ def one_batch(
     from sglx.bench.one_batch import OneBatchConfig, report_table, run_one_batch
 
     try:
-        config = OneBatchConfig(batch_sizes=_batch_sizes(batch_size), input_len=input_len, output_len=output_len)
+        config = OneBatchConfig(batch_sizes=_batch_sizes(batch_size), input_len=input_len, output_len=output_len,
+                                prefill_runs=prefill_runs, prefill_floor=prefill_floor)
         err = Console(stderr=True)
         report = run_one_batch(engine_config, config, progress=lambda m: err.print(f"[dim]{m}[/]"))
     except SglxError as exc:
