@@ -161,7 +161,7 @@ def _sdpa_choices(device: torch.device) -> list[tuple[str, Callable[[], contextl
 def _time_attention(part: AttentionPart, dtype: torch.dtype, device: torch.device, budget: TimingBudget,
                     gen: torch.Generator) -> AttentionPart:
     b, n, hq, d = part.batch, part.tokens, part.q_heads, part.head_dim
-    q, k, v = (torch.randn(b, hq, n, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(b, hq, n, d, generator=gen, device=device, dtype=dtype) for _ in range(3))
     mask = None
     if part.window:  # query i sees keys i - window < j <= i
         i = torch.arange(n, device=device)
@@ -193,12 +193,12 @@ def measure_prefill_floor(model: nn.Module, batch_size: int, input_len: int, dev
     """Time the prefill's GEMMs (on the model's own weights) and its attention (SDPA); see the module doc."""
     parts, weights = gemm_parts(model, batch_size, input_len)
     dtype = next(iter(weights.values()))[0].dtype
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # inputs made on the device (bs64: GBs)
     timed = []
     with torch.inference_mode():
         for part in parts:
             weight, bias = weights[(part.name, part.m, part.n, part.k)]
-            x = torch.randn(part.m, part.k, generator=gen).to(device=device, dtype=dtype)
+            x = torch.randn(part.m, part.k, generator=gen, device=device, dtype=dtype)
             ms = median_ms(lambda x=x, w=weight, b=bias: F.linear(x, w, b), device, budget).median_ms
             timed.append(GemmPart(part.name, part.m, part.n, part.k, part.count, ms))
             del x
