@@ -166,14 +166,15 @@ def llm_matrix(kind: Kind) -> list[str]:
 def diffusion_matrix() -> list[str]:
     kinds = list(DEVICE_KINDS)
     header = ["backend", "aliases", "implemented in sglx", *(SHORT_DEVICE_NAMES.get(k, k) for k in kinds),
-              "requirements", "notes"]
+              "requirements", "ring attention", "notes"]
     rows = []
     for spec in all_backends("diffusion"):
         f = spec.features
         notes = f.notes if isinstance(f, DiffusionFeatures) else ""
+        ring = f.ring_attention if isinstance(f, DiffusionFeatures) and spec.implemented else "-"
         aliases = ", ".join(f"`{a}`" for a in spec.aliases) or "-"
         rows.append([f"`{spec.name}`", aliases, yn(spec.implemented), *(yn(k in spec.platforms) for k in kinds),
-                     requirements_text(spec), notes])
+                     requirements_text(spec), ring, notes])
     return ["## Diffusion attention backends: platforms", "", *table(header, rows), ""]
 
 

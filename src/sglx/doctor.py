@@ -66,6 +66,8 @@ def _backend_rows(snap: PlatformSnapshot, family: Family, kind: str) -> list[dic
             row["cuda_graph"] = spec.features.cuda_graph
             rule = spec.page_size_rule(snap)
             row["page_sizes"] = list(rule.sizes) if rule else None
+        else:  # what --ring-degree > 1 does with it: its own LSE kernel, PyTorch SDPA's (fallback), or refused
+            row["ring_attention"] = spec.features.ring_attention
         rows.append(row)
     return rows
 
@@ -165,6 +167,8 @@ def _section_table(section: dict[str, Any]) -> Table:
             notes = f"page size {', '.join(map(str, row['page_sizes']))}"
         if row["usable"] and row.get("cuda_graph") is False:
             notes = (notes + "; " if notes else "") + "no CUDA graphs"
+        if row["usable"] and str(row.get("ring_attention", "")).startswith("fallback"):
+            notes = (notes + "; " if notes else "") + "ring attention: PyTorch SDPA's LSE kernels (fallback)"
         table.add_row(name, mark, escape(notes))
     return table
 

@@ -46,7 +46,8 @@ register(BackendSpec(
         FA_VARIANTS,
     ),
     features=DiffusionFeatures(notes="fp16/bf16 only; GQA and any sequence length. FA3 needs SM80-SM90, "
-                                     "FA4 SM90 or SM10x (head dim <= 128 on SM10x), FA2 SM80+ or ROCm."),
+                                     "FA4 SM90 or SM10x (head dim <= 128 on SM10x), FA2 SM80+ or ROCm.",
+                               lse=True),
     factory="sglx.attention.diffusion.flash_attn:FlashAttentionBackend",
 ))
 
@@ -54,7 +55,7 @@ register(BackendSpec(
     name="torch_sdpa", family="diffusion", kind="dit", title="PyTorch SDPA",
     summary="torch.nn.functional.scaled_dot_product_attention; the most compatible option.",
     requires=(OnPlatform(("cuda", "rocm", "mps", "npu", "xpu", "cpu")),),
-    features=DiffusionFeatures(notes="Most compatible option across platforms; GQA supported."),
+    features=DiffusionFeatures(notes="Most compatible option across platforms; GQA supported.", lse=True),
     factory="sglx.attention.diffusion.sdpa:TorchSDPABackend",
 ))
 

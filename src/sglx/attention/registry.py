@@ -69,6 +69,18 @@ class DiffusionFeatures:
     notes: str = ""
     # Max |error| vs float64 that checks accept in fp16/bf16, when wider than exact kernels' (quantized kernels).
     check_tolerance: float | None = None
+    # The backend's kernel also returns the softmax log-sum-exp (`forward_dense_with_lse`): ring attention
+    # (--ring-degree > 1) runs each ring step on it and merges the partial results by their LSE.
+    lse: bool = False
+
+    @property
+    def ring_attention(self) -> str:
+        """What ring attention does with this backend (docs/backends.md and doctor show it)."""
+        if self.sparse:
+            return "N: refused (the sparse pattern needs the whole sequence; use --ulysses-degree)"
+        if self.lse:
+            return "Y: each ring step on this backend's kernel (it returns the LSE)"
+        return "fallback: ring steps on PyTorch SDPA's LSE kernels (this kernel returns no LSE)"
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,14 @@ class DiffusionAttentionBackend(ABC):
                       scale: float | None = None) -> torch.Tensor:
         """Full non-causal attention: q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, D]."""
 
+    def forward_dense_with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_dense` plus the softmax log-sum-exp [B, Hq, Sq] (float32; float64 for float64 inputs).
+
+        Ring attention merges partial results by it. Only backends whose registry features declare
+        `lse=True` implement it (their kernel returns the LSE); the others raise here."""
+        raise NotImplementedError(f"attention backend {self.name} returns no log-sum-exp")
+
     def local_seq_len(self, meta: DiTAttnMetadata) -> int:
         """Tokens of the step's sequence that this process passes in: all of them (sequence-parallel wrappers,
         sglx.diffusion.parallel, take a shard)."""

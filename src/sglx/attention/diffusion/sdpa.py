@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from sglx.attention.diffusion.base import DiffusionAttentionBackend, check_qkv
+from sglx.attention.diffusion.sdpa_lse import sdpa_with_lse
 
 
 class TorchSDPABackend(DiffusionAttentionBackend):
@@ -18,3 +19,9 @@ class TorchSDPABackend(DiffusionAttentionBackend):
         gqa = q.shape[2] != k.shape[2]
         out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
+
+    def forward_dense_with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SDPA kernels that expose the LSE (sdpa_lse.py): flash / memory-efficient on CUDA, flash on CPU."""
+        check_qkv(q, k, v)
+        return sdpa_with_lse(q, k, v, scale)

@@ -8,8 +8,10 @@ replicated, not sharded). Self-attention, on each rank:
    latent super-chunk of H/u heads; the text tokens are already whole, so the rank just takes its H/u heads.
 2. Ring degree 1: the wrapped backend attends the whole sequence of those heads with the step's full-grid
    DiTAttnMetadata (`head_offset` says which heads), so sparse masks (STA tiles, VSA cubes, ...) are exactly
-   those of one process. Ring degree r > 1: key/value super-chunks travel around the ring group and partial
-   results merge by log-sum-exp (lse_attention.py); text keys join the rank's own block once.
+   those of one process. Ring degree r > 1: key/value super-chunks travel around the ring group, each step
+   attends one block on the selected backend's LSE kernel (or the documented PyTorch SDPA fallback for a dense
+   backend without one; sparse backends are refused) and the partial results merge by log-sum-exp
+   (lse_attention.py); text keys join the rank's own block once.
 3. The inverse all-to-all returns the rank's latent chunk of every head; text outputs are gathered over heads.
 
 Cross-attention (latent queries, replicated text keys) needs no communication: `forward_dense` runs locally.
@@ -27,7 +29,7 @@ from sglx.attention.diffusion.base import DiffusionAttentionBackend
 from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.diffusion.parallel.collectives import RingExchange, gather_heads, heads_to_seq, seq_to_heads_many
 from sglx.diffusion.parallel.groups import SPGroups
-from sglx.diffusion.parallel.lse_attention import LSEMerger, attention_with_lse
+from sglx.diffusion.parallel.lse_attention import LSEMerger, RingStepAttention, ring_step_attention
 from sglx.errors import SglxError
 
 log = logging.getLogger("sglx.diffusion")
@@ -63,7 +65,12 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
         self.groups = groups
         self.name = inner.name  # type: ignore[misc]  # what the engine reports: the backend doing the work
         self.sparse = inner.sparse  # type: ignore[misc]
-        self._ring_logged = False
+        self.ring_step: RingStepAttention | None = None
+        if groups.degrees.ring > 1:
+            self.ring_step = ring_step_attention(inner)
+            log.log(logging.INFO if self.ring_step.own_kernel else logging.WARNING,
+                    "ring attention (degree %d): each ring step on %s", groups.degrees.ring,
+                    self.ring_step.description)
 
     def local_seq_len(self, meta: DiTAttnMetadata) -> int:
         return -(-meta.image_tokens // self.groups.world_size) + meta.text_tokens  # padded chunks (sharding.py)
@@ -125,10 +132,7 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
         Ring member j's block is the latent super-chunk [j*L, (j+1)*L) of the padded sequence; keys at `tokens`
         and beyond are padding and are left out (a block of padding only adds nothing)."""
         g = self.groups
-        if not self._ring_logged:
-            log.info("ring attention (degree %d): per-block attention on PyTorch's SDPA kernels with log-sum-exp; "
-                     "%s is not used for self-attention", g.degrees.ring, self.inner.name)
-            self._ring_logged = True
+        assert self.ring_step is not None  # set in __init__ when the ring degree is above 1
         k_text, k_img = split(k)
         v_text, v_img = split(v)
         kv = torch.stack([k_img, v_img])
@@ -144,7 +148,7 @@ class SequenceParallelBackend(DiffusionAttentionBackend):
             if step == 0 and text:  # text keys are whole on every rank: attend them once, with the own block
                 kb, vb = join(k_text, kb), join(v_text, vb)
             if kb.shape[1]:
-                merger.add(*attention_with_lse(q, kb, vb, scale))
+                merger.add(*self.ring_step.fn(q, kb, vb, scale))
             if incoming is not None:
                 exchange.wait()
                 kv = incoming

@@ -1,65 +1,63 @@
-"""Attention that also returns its log-sum-exp, and the merge of partial results: what ring attention needs.
+"""Ring attention's per-step attention (with its log-sum-exp) and the merge of the partial results.
 
 Ring attention attends each query block to one key/value block at a time and merges the partial outputs with
-their log-sum-exps (the online-softmax rule). sglx's registry backends return outputs only, so the per-block
-attention runs on PyTorch's own SDPA kernels that expose the LSE: flash (CUDA fp16/bf16), memory-efficient
-(CUDA fp32), the CPU flash kernel, and a float32 matmul reference when none of them applies.
+their log-sum-exps (the online-softmax rule). Each step runs on the selected backend when its registry
+features declare `lse=True` (its kernel returns the LSE: fa's FA4/FA3/FA2, torch_sdpa's LSE kernels). A dense
+backend whose kernel returns no LSE (sage_attn) has its ring steps run on PyTorch SDPA's LSE kernels instead:
+documented in docs/backends.md's "ring attention" column and `sglx doctor`, and logged as a warning when it
+happens. Sparse backends are refused under ring attention (attention.check_backend_for_sp).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from sglx.attention.diffusion.base import DiffusionAttentionBackend
+from sglx.attention.diffusion.sdpa_lse import lse_dtype, sdpa_with_lse
+from sglx.attention.registry import DiffusionFeatures, find
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q/k/v [B, H, S, D] -> out [B, H, Sq, D] (q's dtype), lse [B, H, Sq] float32; GQA by repeating k/v."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
-    return out.to(q.dtype), lse
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention: q [B, Sq, H, D], k/v [B, Skv, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq] fp32)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if kt.shape[1] != qt.shape[1]:
-        rep = qt.shape[1] // kt.shape[1]
-        kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-    out = lse = None
-    try:
-        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)
-            out, lse = res[0], res[1]
-        elif q.device.type == "cuda":
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False,
-                                                                         scale=scale)
-            out, lse = res[0], res[1][:, :, :qt.shape[2]]
-        elif q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, False,
-                                                                                   scale=scale)
-    except (RuntimeError, NotImplementedError):  # shape/dtype/arch a kernel does not take: the reference runs
-        out = lse = None
-    if out is None or lse is None:
-        out, lse = _reference(qt, kt, vt, scale)
-    return out.transpose(1, 2), lse.float()
+@dataclass(frozen=True)
+class RingStepAttention:
+    """What attends one key/value block in a ring step: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], scale ->
+    (out [B, Sq, H, D], lse [B, H, Sq])."""
+
+    fn: StepFn
+    own_kernel: bool  # True: the selected backend's kernel; False: the PyTorch SDPA fallback
+    description: str
+
+
+def ring_step_attention(backend: DiffusionAttentionBackend) -> RingStepAttention:
+    """The selected backend's LSE path when the registry declares one, else the documented SDPA fallback."""
+    spec = find(backend.name, "diffusion", "dit")
+    features = spec.features if spec is not None else None
+    if isinstance(features, DiffusionFeatures) and features.lse:
+        def own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return backend.forward_dense_with_lse(q, k, v, scale=scale)
+
+        return RingStepAttention(own, True, f"{backend.name}'s own kernel, which returns the log-sum-exp")
+    return RingStepAttention(sdpa_with_lse, False,
+                             f"PyTorch SDPA's LSE kernels, NOT {backend.name}: its kernel returns no log-sum-exp "
+                             "(docs/backends.md, 'ring attention' column)")
 
 
 class LSEMerger:
-    """Accumulates partial attention results (out_i, lse_i) of the same queries over disjoint key blocks."""
+    """Accumulates partial attention results (out_i, lse_i) of the same queries over disjoint key blocks, in
+    float32 (float64 for float64 inputs)."""
 
     def __init__(self) -> None:
-        self.out: torch.Tensor | None = None  # float32 [B, S, H, D]
-        self.lse: torch.Tensor | None = None  # float32 [B, H, S]
+        self.out: torch.Tensor | None = None  # [B, S, H, D]
+        self.lse: torch.Tensor | None = None  # [B, H, S]
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        out = out.float()
+        acc = lse_dtype(out.dtype)
+        out, lse = out.to(acc), lse.to(acc)
         if self.out is None or self.lse is None:
             self.out, self.lse = out, lse
             return
@@ -70,5 +68,6 @@ class LSEMerger:
         self.lse = new
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        assert self.out is not None, "no partial result was added"
+        if self.out is None:
+            raise RuntimeError("LSEMerger.result: no partial result was added")
         return self.out.to(dtype)
