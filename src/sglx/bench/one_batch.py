@@ -8,9 +8,9 @@ time is what a user waits for, launch overhead and CUDA-graph replay included.
 The prefill is timed `prefill_runs` times after a warm-up prefill (which compiles and autotunes, and is
 reported apart as `prefill_first_ms`) and reported as the median, next to its compute floor measured in
 the same run (sglx.bench.prefill_floor: the model's GEMMs plus SDPA attention at the same shapes). The
-timed part runs with Python's cyclic garbage collector paused (collected just before), as timeit does:
-a full collection of the objects torch, Triton and the model leave behind takes tens of milliseconds and
-landed in one single timed prefill or not, depending on allocation history (docs/benchmarks.md, one-batch).
+timed part runs with Python's cyclic garbage collector paused (collected just before), as timeit does: a
+full collection over what torch, Triton and the model keep alive takes far longer than a decode step, and
+a single timed prefill once measured 4x its usual time (cause unproven; docs/benchmarks.md, one-batch).
 
 The decode-step floor is the memory roofline: every weight a step multiplies with (all parameters
 but the embedding table, of which only the batch's rows are read) plus every K/V byte the step's
