@@ -30,4 +30,5 @@ def test_llama_8b_bs1_prefill_floor_is_measured_with_vendor_calls() -> None:
     # the device time of a prefill cannot beat its floor by more than timing noise, and never exceeds its wall time
     assert r["prefill_device_ms_median"] <= r["prefill_ms"] * 1.01, r
     assert r["prefill_device_ms_median"] >= 0.9 * r["prefill_floor_ms"], r
+    assert r["prefill_device_ratio_to_floor"] == pytest.approx(r["prefill_device_ms_median"] / r["prefill_floor_ms"])
     assert r["prefills_before_timing"] == 1 and r["prefill_runs"] == 5
