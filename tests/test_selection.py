@@ -101,6 +101,12 @@ def all_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _sglang_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tables are SGLang's fixed rules: no measured record (tests/test_auto_measured.py covers the H100's)."""
+    monkeypatch.setenv("SGLX_ATTENTION_RECORDS", "off")
+
+
+@pytest.fixture(autouse=True)
 def _no_forced_backend():
     """The forced diffusion backend is process-global: every test starts and ends without one."""
     global_force_attn_backend(None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sglx.attention.measured.record import record_for
 from sglx.attention.registry import (
     BackendSpec,
     DiffusionFeatures,
@@ -282,6 +283,12 @@ def auto_selection() -> list[str]:
         out += [f"### {plat.label}", "",
                 *table(["model", "#", "candidate", "rule", "runs today"], [*mha, *mla, *dit]), "",
                 f"Auto picks: MHA {mha_pick}; MLA {mla_pick}; diffusion {dit_pick}.", ""]
+        record = record_for(snap)
+        if record is not None:
+            out += [f"This GPU class ({record.gpu_class}) has a measured record (`{record.origin}`): auto ranks "
+                    "each LLM phase by its recorded medians, and the order above only places the backends never "
+                    "measured there, after the measured ones (docs/benchmarks.md, \"Auto-selection by "
+                    "measurement\"; `sglx doctor` shows the numbers).", ""]
     return out
 
 

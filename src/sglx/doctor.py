@@ -78,6 +78,8 @@ def _auto(snap: PlatformSnapshot, family: Family, kind: str) -> dict[str, Any]:
             sel = select_llm(snap, ModelTraits(mla=kind == "mla"), LLMBackendArgs())
             considered = sel.considered
             result: dict[str, Any] = {"backend": sel.label, "page_size": sel.page_size, "why": sel.why}
+            if sel.measured:  # the recorded medians behind the pick, each with its file, date and device
+                result["measured"] = [{**asdict(r), "explanation": r.lines()} for r in sel.measured]
         else:
             dsel = select_diffusion(snap)
             considered = dsel.considered
@@ -183,6 +185,8 @@ def _auto_text(section: dict[str, Any]) -> str:
         text += f", page size {auto['page_size']}"
     for c in auto["passed_over"]:
         text += f"\n  passed over {c['name']}: " + escape("; ".join(c["reasons"]))
+    for ranking in auto.get("measured", ()):
+        text += "\n  " + escape("\n  ".join(ranking["explanation"]))
     return text
 
 

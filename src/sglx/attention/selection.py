@@ -1,7 +1,8 @@
 """Which attention backend runs: pure functions of (platform snapshot, model traits, user request).
 
 Explicit choices are validated and never rewritten; auto selection follows SGLang's documented rules
-but only among backends whose requirements hold here, and records why every other candidate lost.
+but only among backends whose requirements hold here, and records why every other candidate lost. On a GPU
+class with a measured record (attention/measured/), auto ranks each phase by the recorded medians instead.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from sglx.attention.measured.ranking import PhaseRanking, rank_phase
+from sglx.attention.measured.record import Record, gpu_class, record_for
 from sglx.attention.registry import (
     BackendSpec,
     all_backends,
@@ -67,6 +70,7 @@ class LLMSelection:
     source: str  # "explicit" | "auto" | "mixed"
     why: str
     considered: tuple[Considered, ...] = ()
+    measured: tuple[PhaseRanking, ...] = ()  # the recorded medians behind an auto pick, per auto phase
 
     @property
     def hybrid(self) -> bool:
@@ -214,12 +218,62 @@ def _auto_llm(
         considered.append(Considered(name, not reasons, tuple(reasons)))
         if not reasons:
             return name, rule, tuple(considered)
+    raise _nothing_runs(snap, req, considered)
+
+
+def _nothing_runs(snap: PlatformSnapshot, req: AttentionRequest,
+                  considered: list[Considered]) -> BackendUnavailableError:
     lines = [f"no attention backend for {_kind_label(req.kind)} can run on this "
              f"{device_name(snap.device_kind)} machine:"]
     lines += [f"  - {c.name}: {'; '.join(c.reasons)}" for c in considered]
     if not considered:
         lines.append(f"  - sglx has no {req.kind.upper()} backend for {device_name(snap.device_kind)}")
-    raise BackendUnavailableError("\n".join(lines))
+    return BackendUnavailableError("\n".join(lines))
+
+
+def _auto_measured(
+    snap: PlatformSnapshot, req: AttentionRequest, record: Record, fixed: tuple[tuple[str, BackendSpec], ...],
+    phases: tuple[str, ...],
+) -> tuple[dict[str, str], str, tuple[Considered, ...], tuple[PhaseRanking, ...]]:
+    """Per auto phase, the runnable backend the record ranks first (decode first: its page size binds prefill)."""
+    sglang = [name for name, _ in llm_auto_candidates(snap, req.kind)]
+    recorded = [e.backend for e in record.entries if e.kind == req.kind]
+    picks: dict[str, str] = {}
+    rankings: list[PhaseRanking] = []
+    considered: dict[str, Considered] = {}
+    for phase in phases:
+        runs_here = []
+        for name in dict.fromkeys([*sglang, *recorded]):
+            spec = find(name, "llm", req.kind)
+            if spec is None:
+                continue
+            reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, req).reasons,
+                       *_page_conflict(spec, fixed, snap, req)]
+            merged = tuple(dict.fromkeys([*(considered[name].reasons if name in considered else ()), *reasons]))
+            considered[name] = Considered(name, not merged, merged)
+            if not reasons:
+                runs_here.append(name)
+        ranking = rank_phase(record, req.kind, phase, req.kv_cache_dtype, req.page_size, runs_here, sglang)
+        if ranking.pick is None:
+            raise _nothing_runs(snap, req, list(considered.values()))
+        picks[phase] = ranking.pick
+        rankings.append(ranking)
+        fixed = (*fixed, (f"the auto {phase} pick", find(ranking.pick, "llm", req.kind)))  # type: ignore[arg-type]
+    parts = []
+    for r in rankings:
+        top = r.ranked[0] if r.ranked else None
+        if top is not None:
+            parts.append(f"{r.phase} {r.pick} (worst {top.worst_ratio:.3f}x of the fastest runnable backend over "
+                         f"{len(top.shapes)} of {len(top.shapes) + len(top.missing)} recorded shapes)")
+        else:
+            parts.append(f"{r.phase} {r.pick} (nothing recorded for this phase runs: SGLang's order)")
+    why = f"measured on {record.gpu_class} ({record.origin}): " + "; ".join(parts)
+    return picks, why, tuple(considered.values()), tuple(rankings)
+
+
+def _no_record_note(snap: PlatformSnapshot) -> str:
+    cls = gpu_class(snap)
+    return f"; no measured record for {cls}, so SGLang's order" if cls else ""
 
 
 def _page_size(specs: list[BackendSpec], snap: PlatformSnapshot, requested: int | None) -> int:
@@ -260,6 +314,8 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
             _explicit(spec, snap, req, flag)
             explicit[flag] = (spec, flag)
     considered: tuple[Considered, ...] = ()
+    measured: tuple[PhaseRanking, ...] = ()
+    picks: dict[str, str] = {}
     base = explicit.get("--attention-backend")
     base_name = base[0].name if base else None
     why = f"--attention-backend {base_name}" if base_name else ""
@@ -268,11 +324,17 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
     )
     if need_auto:
         fixed = tuple((flag, spec) for flag, (spec, _) in explicit.items() if flag != "--attention-backend")
-        base_name, why, considered = _auto_llm(snap, req, fixed)
+        record = record_for(snap)
+        if record is None:
+            base_name, why, considered = _auto_llm(snap, req, fixed)
+            why += _no_record_note(snap)
+        else:
+            phases = tuple(p for p in ("decode", "prefill") if f"--{p}-attention-backend" not in explicit)
+            picks, why, considered, measured = _auto_measured(snap, req, record, fixed, phases)
     prefill = explicit.get("--prefill-attention-backend", (None,))[0]
     decode = explicit.get("--decode-attention-backend", (None,))[0]
-    prefill = prefill.name if prefill else base_name
-    decode = decode.name if decode else base_name
+    prefill = prefill.name if prefill else picks.get("prefill", base_name)
+    decode = decode.name if decode else picks.get("decode", base_name)
     assert prefill is not None and decode is not None  # one of the branches above always sets them
     specs = [s for s in (find(prefill, "llm", traits.kind), find(decode, "llm", traits.kind)) if s is not None]
     page = _page_size(specs, snap, args.page_size)
@@ -281,7 +343,7 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
         parts = [f"{f} {s.name}" for f, (s, _) in explicit.items() if f != "--attention-backend"]
         why = f"{why}; " if why else ""
         why += ", ".join(parts) + ("; the other phase inherits" if len(parts) == 1 else "")
-    return LLMSelection(prefill, decode, page, source, why, considered)
+    return LLMSelection(prefill, decode, page, source, why, considered, measured)
 
 
 # ---------------------------------------------------------------- diffusion

@@ -1,0 +1,98 @@
+"""Turn raw benchmark reports into a GPU class's record: only sglx backends' medians, each with its provenance.
+
+Three report formats are read: `sglx bench attention --json` (the normal way to record a GPU), and the two
+one-off scripts whose H100 results seeded the packaged record (benchmarks/bench_fa4_llm.py and the MLA
+decode sweep of benchmarks/run_mla_device.sh), which carry no date and so need one given.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from typing import Any
+
+from sglx.attention.measured.record import FORMAT, Measurement
+
+SGLX_BENCH = "sglx bench attention"
+
+
+def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
+    env = data["environment"]
+    when = env.get("date") or date
+    if not when:
+        raise ValueError(f"{source}: the report has no date; give one")
+    out = []
+    for case in data["cases"]:
+        c = case["case"]
+        for row in case["rows"]:
+            if row.get("kind") != "sglx" or not row.get("ok") or row.get("median_ms") is None:
+                continue  # baselines are vendors' calls, not sglx backends; a failed check has no valid time
+            out.append(Measurement("mha", c["phase"], case["label"], int(c["page_size"]), c["kv_cache_dtype"],
+                                   row["backend"], float(row["median_ms"]), source, when, env["device_name"],
+                                   SGLX_BENCH))
+    return out
+
+
+def _fa4_script(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
+    if not date:
+        raise ValueError(f"{source}: benchmarks/bench_fa4_llm.py reports carry no date; give one")
+    note = "benchmarks/bench_fa4_llm.py: sglx.bench.timing (L2 flushed, median), metadata built outside the call"
+    out = []
+    dec = re.fullmatch(r"decode B(\d+) Hq(\d+)/Hkv(\d+) D(\d+) context (\d+) page (\d+) bf16", data["decode"]["shape"])
+    pre = re.fullmatch(r"causal prefill B(\d+) H(\d+) D(\d+) seq (\d+) bf16 \(sglx: paged, page (\d+)\)",
+                       data["prefill"]["shape"])
+    if dec is None or pre is None:
+        raise ValueError(f"{source}: unknown bench_fa4_llm shape text")
+    b, hq, hkv, d, ctx, page = dec.groups()
+    for phase, label, page_size in (("decode", f"B{b} H{hq}/{hkv} D{d} ctx {ctx}", page),
+                                    ("prefill", f"B{pre[1]} H{pre[2]}/{pre[2]} D{pre[3]} 0+{pre[4]} causal", pre[5])):
+        for key, value in data[phase].items():
+            name = key.removeprefix("sglx ")
+            if key.startswith("sglx ") and isinstance(value, dict) and " " not in name:  # eager calls only
+                out.append(Measurement("mha", phase, label, int(page_size), "auto", name, float(value["ms"]),
+                                       source, date, data["device"], note))
+    return out
+
+
+def _mla_sweep(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
+    if not date:
+        raise ValueError(f"{source}: MLA sweep reports carry no date; give one")
+    out = []
+    for res in data["results"]:
+        label = f"B{res['batch']} H{res['heads']} latent {res['r']}+{res['dr']} ctx {res['context']}"
+        routes = res["routes"]
+        flashinfer = next(r for r in routes if r["route"] == "flashinfer")  # timed first (and again last)
+        triton = next(r for r in routes if r["route"] == res["best_triton_route"])
+        for name, route, note in (
+                ("flashinfer", flashinfer, "MLA decode sweep: FlashInfer's first timing"),
+                ("triton", triton, f"MLA decode sweep: {triton['route']}, the launch sglx's triton MLA "
+                                   "uses by default since this sweep (not re-timed as the default)")):
+            out.append(Measurement("mla", "decode", label, int(res["page_size"]), res["kv_cache_dtype"], name,
+                                   float(route["ms"]), source, date, data["device"], note))
+    return out
+
+
+def measurements(data: dict[str, Any], source: str, date: str | None = None) -> list[Measurement]:
+    """The sglx backends' medians in one report, whichever of the three formats it is."""
+    if "cases" in data and "environment" in data:
+        return _bench_attention(data, source, date)
+    if "decode" in data and "prefill" in data and "device" in data:
+        return _fa4_script(data, source, date)
+    if "results" in data and data["results"] and "routes" in data["results"][0]:
+        return _mla_sweep(data, source, date)
+    raise ValueError(f"{source}: not a report of sglx bench attention, bench_fa4_llm.py or the MLA decode sweep")
+
+
+def build_record(gpu_class: str, reports: list[tuple[dict[str, Any], str, str | None]]) -> dict[str, Any]:
+    """One record from (report, source path, date or None) triples; every report's device must be this class."""
+    model = gpu_class.split("-", 1)[-1]
+    entries: list[Measurement] = []
+    for data, source, date in reports:
+        found = measurements(data, source, date)
+        for m in found:
+            if model not in m.device.lower():
+                raise ValueError(f"{source}: measured on {m.device!r}, which is not a {gpu_class} GPU")
+        entries.extend(found)
+    entries.sort(key=lambda m: (m.kind, m.phase, m.shape, m.kv_cache_dtype, m.page_size, m.backend, m.date))
+    return {"format": FORMAT, "gpu_class": gpu_class, "sources": sorted({s for _, s, _ in reports}),
+            "entries": [asdict(m) for m in entries]}

@@ -1,0 +1,126 @@
+"""Rank the backends that can run by the medians recorded for this GPU class, per phase.
+
+A backend's score is its worst ratio to the fastest runnable backend over the phase's recorded shapes
+(on each shape every backend counts at its fastest measured page size, unless the user fixed one). Ties
+go to the backend measured on more shapes, then to the caller's order (SGLang's). Backends with no
+measurement come after every measured one, in the caller's order. Only recorded numbers are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sglx.attention.measured.record import Measurement, Record
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """One backend on one recorded shape: its median, and the fastest runnable backend's there."""
+
+    shape: str
+    page_size: int
+    kv_cache_dtype: str
+    ms: float
+    ratio: float
+    best: str
+    best_ms: float
+    source: str
+    date: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Ranked:
+    backend: str
+    worst_ratio: float
+    shapes: tuple[ShapeResult, ...]
+    missing: tuple[str, ...]  # the phase's recorded shapes this backend was not measured on
+
+
+@dataclass(frozen=True)
+class PhaseRanking:
+    phase: str
+    gpu_class: str
+    origin: str
+    basis: str  # what was compared: KV dtype, page size, fallbacks
+    ranked: tuple[Ranked, ...]  # measured, runnable, best first
+    unmeasured: tuple[str, ...]  # runnable but never measured here, in the caller's order
+
+    @property
+    def pick(self) -> str | None:
+        if self.ranked:
+            return self.ranked[0].backend
+        return self.unmeasured[0] if self.unmeasured else None
+
+    def lines(self) -> list[str]:
+        """The ranking in words, with every number's source (doctor and the selection's evidence)."""
+        head = f"{self.phase}: {self.basis} [{self.origin}]"
+        out = [head]
+        for r in self.ranked:
+            parts = [f"{s.shape} page {s.page_size}: {s.ms:.4f} ms" +
+                     (" (fastest)" if s.ratio == 1.0 else f" = {s.ratio:.3f}x {s.best} {s.best_ms:.4f} ms") +
+                     f" [{s.source}, {s.date}, {s.device}]" for s in r.shapes]
+            text = f"  {r.backend}: worst {r.worst_ratio:.3f}x of the fastest; " + "; ".join(parts)
+            if r.missing:
+                text += f"; not measured on {', '.join(r.missing)}"
+            out.append(text)
+        if self.unmeasured:
+            out.append("  never measured here, after the measured ones in SGLang's order: "
+                       + ", ".join(self.unmeasured))
+        return out
+
+
+def _latest(entries: list[Measurement]) -> Measurement:
+    return max(entries, key=lambda e: e.date)
+
+
+def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_size: int | None,
+               runnable: Sequence[str], sglang_order: Sequence[str]) -> PhaseRanking:
+    """Order the `runnable` backends for one phase by the record (see the module docstring); an unmeasured one
+    follows only if SGLang's auto order (`sglang_order`) names it."""
+    pool = [e for e in record.entries if e.kind == kind and e.phase == phase and e.backend in runnable]
+    notes: list[str] = []
+    kv = kv_cache_dtype
+    if kv != "auto" and not any(e.kv_cache_dtype == kv for e in pool) and pool:
+        notes.append(f"no {kv} KV {phase} measured here, so the 16-bit KV (auto) medians rank it")
+        kv = "auto"
+    pool = [e for e in pool if e.kv_cache_dtype == kv]
+    if page_size is not None and pool:
+        at_size = [e for e in pool if e.page_size == page_size]
+        if at_size:
+            pool = at_size
+            notes.append(f"page size {page_size}")
+        else:
+            notes.append(f"nothing measured at page size {page_size}, so every measured page size counts")
+    elif pool:
+        notes.append("each backend at its fastest measured page size")
+    # (shape, backend) -> the fastest page size's entry, the newest run where one page size ran twice
+    by_page: dict[tuple[str, str, int], list[Measurement]] = {}
+    for e in pool:
+        by_page.setdefault((e.shape, e.backend, e.page_size), []).append(e)
+    best_entry: dict[tuple[str, str], Measurement] = {}
+    for (shape, backend, _), entries in by_page.items():
+        e = _latest(entries)
+        held = best_entry.get((shape, backend))
+        if held is None or e.median_ms < held.median_ms:
+            best_entry[(shape, backend)] = e
+    shapes = list(dict.fromkeys(e.shape for e in pool))
+    fastest = {s: min((e for (sh, _), e in best_entry.items() if sh == s), key=lambda e: e.median_ms)
+               for s in shapes}
+    order = {name: i for i, name in enumerate(dict.fromkeys([*sglang_order, *runnable]))}
+    ranked = []
+    for backend in dict.fromkeys(e.backend for e in pool):
+        results = tuple(
+            ShapeResult(s, e.page_size, e.kv_cache_dtype, e.median_ms, e.median_ms / fastest[s].median_ms,
+                        fastest[s].backend, fastest[s].median_ms, e.source, e.date, e.device)
+            for s in shapes if (e := best_entry.get((s, backend))) is not None)
+        missing = tuple(s for s in shapes if (s, backend) not in best_entry)
+        ranked.append(Ranked(backend, max(r.ratio for r in results), results, missing))
+    ranked.sort(key=lambda r: (r.worst_ratio, -len(r.shapes), order[r.backend]))
+    measured = {r.backend for r in ranked}
+    unmeasured = tuple(b for b in sglang_order if b in runnable and b not in measured)
+    basis = (f"ranked by the medians recorded for {record.gpu_class} ({'; '.join(notes)})" if ranked
+             else f"no {kind.upper()} {phase} is recorded for {record.gpu_class} among the backends that run, "
+                  "so SGLang's order")
+    return PhaseRanking(phase, record.gpu_class, record.origin, basis, tuple(ranked), unmeasured)
