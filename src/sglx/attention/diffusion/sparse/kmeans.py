@@ -4,6 +4,13 @@ One independent problem per batch entry (SVG2: per batch row and head). Initial 
 points (deterministic, and no draw from the global RNG that seeds the diffusion noise); later calls pass the
 previous step's centroids (warm start, as Sparse-VideoGen does). Distances are computed a slice of problems at
 a time so the [problems, points, clusters] score tensor stays bounded on long videos.
+
+Kept cheap on a GPU (SVG2 runs it in every sparse layer): the loop never reads a tensor back to the host except
+every CHECK_EVERY iterations (a long first clustering may stop early; a warm start's 2 iterations never wait
+for the GPU). Once the largest centroid shift falls below `tol` the centroids freeze on the device, so further
+iterations reassign to the same centroids and the result equals stopping there. Distances are one GEMM plus
+one fused `|c|^2 - 2 x.c` (no float copies of the score tensor), and centroid sums are one `index_add_` over
+flattened (problem, cluster) rows instead of a scatter through a [P, N, D] index.
 """
 
 from __future__ import annotations
@@ -37,14 +44,22 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, x_scores: torch.Tensor | No
     p, n, _ = x.shape
     c = centroids.shape[1]
     step = max(1, MAX_SCORE_ELEMENTS // max(1, n * c))
+    sq = (centroids * centroids).sum(-1)[:, None, :]  # [P, 1, C]
+    cs = centroids.to(xs.dtype).transpose(1, 2)
+    if step >= p:  # one slice (the usual case): no output buffer, no copy
+        return torch.add(sq, torch.bmm(xs, cs), alpha=-2.0).argmin(-1)
     labels = torch.empty(p, n, dtype=torch.long, device=x.device)
-    sq = (centroids * centroids).sum(-1)  # [P, C]
-    cs = centroids.to(xs.dtype)
     for start in range(0, p, step):
         sl = slice(start, start + step)
-        dist = sq[sl, None, :] - 2.0 * torch.bmm(xs[sl], cs[sl].transpose(1, 2)).to(sq.dtype)
-        labels[sl] = dist.argmin(-1)
+        # |c|^2 - 2 (x.c): the product promoted to sq's dtype inside the add (exact x2), one rounding
+        torch.argmin(torch.add(sq[sl], torch.bmm(xs[sl], cs[sl]), alpha=-2.0), -1, out=labels[sl])
     return labels
+
+
+def _flat(labels: torch.Tensor, clusters: int) -> torch.Tensor:
+    """Labels [P, N] -> row indices into a [P * clusters] table."""
+    offsets = torch.arange(labels.shape[0], device=labels.device)[:, None] * clusters
+    return (labels + offsets).reshape(-1)
 
 
 def cluster_sizes(labels: torch.Tensor, clusters: int) -> torch.Tensor:
@@ -52,30 +67,50 @@ def cluster_sizes(labels: torch.Tensor, clusters: int) -> torch.Tensor:
     return sizes.scatter_add_(1, labels, torch.ones_like(labels))
 
 
-def update(x: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Mean of each cluster's points; an empty cluster keeps its centroid."""
-    sums = torch.zeros_like(centroids).scatter_add_(1, labels[..., None].expand_as(x), x)
-    counts = cluster_sizes(labels, centroids.shape[1])[..., None]
-    return torch.where(counts > 0, sums / counts.clamp(min=1).to(x.dtype), centroids)
+def update(x: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor, offsets: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Mean of each cluster's points; an empty cluster keeps its centroid. `offsets` [P, 1]: p * C (kept by
+    a caller that updates many times)."""
+    p, n, d = x.shape
+    c = centroids.shape[1]
+    rows = _flat(labels, c) if offsets is None else (labels + offsets).reshape(-1)
+    sums = x.new_zeros(p * c, d).index_add_(0, rows, x.reshape(p * n, d)).view(p, c, d)
+    counts = x.new_zeros(p * c).index_add_(0, rows, x.new_ones(1).expand(p * n)).view(p, c, 1)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+
+
+CHECK_EVERY = 8  # iterations between host reads of the convergence flag
 
 
 def kmeans(x: torch.Tensor, clusters: int, iters: int, init: torch.Tensor | None = None,
-           tol: float = 1e-4, score_dtype: torch.dtype | None = None) -> KMeansResult:
+           tol: float = 1e-4, score_dtype: torch.dtype | None = None,
+           x_scores: torch.Tensor | None = None) -> KMeansResult:
     """Up to `iters` Lloyd iterations on x [P, N, D] (float32 or float64), from `init` or strided points.
 
-    Stops early once no centroid moves more than `tol`. With iters == 0 the points are only assigned. Centroids
-    are float means of x; `score_dtype` (e.g. bfloat16 on a GPU) is the dtype of the point-centroid products."""
+    Stops once no centroid moves more than `tol` (the centroids freeze on the device at that iteration; the host
+    looks every CHECK_EVERY iterations to skip the rest). With iters == 0 the points are only assigned.
+    Centroids are float means of x; `score_dtype` (e.g. bfloat16 on a GPU) is the dtype of the point-centroid
+    products, and `x_scores` x already in it (saves a cast when the caller has it)."""
     centroids = strided_init(x, clusters) if init is None else init.to(x.dtype)
-    xs = None if score_dtype is None or score_dtype == x.dtype else x.to(score_dtype)
+    xs = x_scores
+    if xs is None and score_dtype is not None and score_dtype != x.dtype:
+        xs = x.to(score_dtype)
     labels = assign(x, centroids, xs)
-    for _ in range(iters):
-        moved = update(x, labels, centroids)
-        shift = float((moved - centroids).norm(dim=-1).max()) if moved.numel() else 0.0
-        centroids = moved
-        labels = assign(x, centroids, xs)
-        if shift < tol:
+    offsets = torch.arange(x.shape[0], device=x.device)[:, None] * clusters
+    done: torch.Tensor | None = None  # 0-dim bool on x's device: converged at an earlier iteration
+    for i in range(iters):
+        moved = update(x, labels, centroids, offsets)
+        if not moved.numel():
             break
+        last = i == iters - 1
+        converged = None if last else (moved - centroids).norm(dim=-1).amax().double() < tol
+        centroids = moved if done is None else torch.where(done, centroids, moved)
+        labels = assign(x, centroids, xs)  # frozen centroids: the same labels again
+        if converged is not None:
+            done = converged if done is None else done | converged
+            if (i + 1) % CHECK_EVERY == 0 and bool(done):
+                break
     return KMeansResult(labels, centroids, cluster_sizes(labels, clusters))
 
 
-__all__ = ["KMeansResult", "assign", "cluster_sizes", "kmeans", "strided_init", "update"]
+__all__ = ["CHECK_EVERY", "KMeansResult", "assign", "cluster_sizes", "kmeans", "strided_init", "update"]

@@ -194,32 +194,41 @@ class SVG2Plan:
         return float(kept.mean()) / (n * n)
 
 
-def _sorted_slots(labels: torch.Tensor, clusters: int, text: int, block: int | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Latent tokens sorted by label (stable), then the text tokens. With `block`, every cluster and the text
-    start on a block boundary (padded queries); without, they follow each other (keys).
+def _label_sizes(labels: torch.Tensor, clusters: int) -> torch.Tensor:
+    """int64 [P, C]: tokens per cluster of label rows [P, N]."""
+    sizes = torch.zeros(labels.shape[0], clusters, dtype=torch.long, device=labels.device)
+    return sizes.scatter_add_(1, labels, torch.ones_like(labels))
 
-    Returns (slot of every token [P, N + text], slot count per row [P], slot label [P, max slots] (-1 padding,
-    `clusters` for text), cluster sizes [P, C])."""
+
+def _padded_spans(sizes: torch.Tensor, block: int) -> torch.Tensor:
+    return (sizes + block - 1) // block * block
+
+
+def _sorted_slots(labels: torch.Tensor, sizes: torch.Tensor, text: int, block: int | None, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent tokens sorted by label (stable), then the text tokens. With `block`, every cluster and the text
+    start on a block boundary (padded queries); without, they follow each other (keys). `sizes` [P, C] are the
+    cluster sizes (`_label_sizes`), `width` at least the most slots of any row (without `block`: N + text).
+
+    Returns (slot of every token [P, N + text], slot label [P, width] (-1 padding, C for text))."""
     p, n = labels.shape
-    sizes = torch.zeros(p, clusters, dtype=torch.long, device=labels.device)
-    sizes.scatter_add_(1, labels, torch.ones_like(labels))
-    spans = sizes if block is None else (sizes + block - 1) // block * block
-    starts = torch.cumsum(spans, 1) - spans  # [P, C]
-    order = torch.argsort(labels, dim=-1, stable=True)
-    sorted_labels = labels.gather(1, order)
-    first = torch.cumsum(sizes, 1) - sizes  # index of each cluster's first token in sorted order
-    rank = torch.arange(n, device=labels.device) - first.gather(1, sorted_labels)
+    clusters = sizes.shape[1]
+    spans = sizes if block is None else _padded_spans(sizes, block)
+    # the token at sorted position i of cluster c goes to slot i + (padded start of c - unpadded start of c)
+    shift = torch.cumsum(spans - sizes, 1) - (spans - sizes)  # [P, C]
+    sorted_labels, order = labels.sort(dim=-1, stable=True)
     slot = torch.empty_like(labels)
-    slot.scatter_(1, order, starts.gather(1, sorted_labels) + rank)
-    video_slots = spans.sum(1)  # [P]
-    text_slots = torch.arange(text, device=labels.device) + video_slots[:, None]
-    total = video_slots + (text if block is None else cdiv(text, block) * block)
-    slots = torch.cat([slot, text_slots], 1)
-    width = int(total.max())
+    slot.scatter_(1, order, torch.arange(n, device=labels.device) + shift.gather(1, sorted_labels))
+    video_slots = spans.sum(1, keepdim=True)  # [P, 1]
+    slots = torch.cat([slot, torch.arange(text, device=labels.device) + video_slots], 1)
     slot_labels = labels.new_full((p, width), -1)
     slot_labels.scatter_(1, slots, torch.cat([labels, labels.new_full((p, text), clusters)], 1))
-    return slots, total, slot_labels, sizes
+    return slots, slot_labels
+
+
+def _per_q_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, Hkv, ...] -> [B, Hq, ...] (GQA); no copy without grouping."""
+    return x if group == 1 else x.repeat_interleave(group, 1)
 
 
 def _to_input_order(slots: torch.Tensor, meta: DiTAttnMetadata) -> torch.Tensor:
@@ -236,9 +245,35 @@ def _index_of(slot: torch.Tensor, length: int) -> torch.Tensor:
     return index.scatter_(1, slot, torch.arange(slot.shape[1], device=slot.device).expand_as(slot))
 
 
+def padded_query_slots(q_sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """Latent query slots when every query cluster is padded to whole blocks: the most over rows of `q_sizes`
+    [..., Cq] (0-dim; the same for any numbering of the clusters)."""
+    return _padded_spans(q_sizes, block).sum(-1).amax()
+
+
+class HostInt:
+    """A 0-dim device integer copied to the host without waiting for the GPU now: `value()` waits only for the
+    work queued before the copy, so a later read costs no pipeline drain when the GPU has moved on."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._event = None
+        if x.is_cuda:
+            self._host = torch.empty((), dtype=x.dtype, pin_memory=True)
+            self._host.copy_(x, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = x
+
+    def value(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host)
+
+
 def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch.Tensor, meta: DiTAttnMetadata,
               block: int, pad_queries: bool | None = None, *, probs: torch.Tensor | None = None,
-              top_p: float = 1.0, min_ratio: float = 0.0) -> SVG2Plan:
+              top_p: float = 1.0, min_ratio: float = 0.0, padded_slots: HostInt | None = None) -> SVG2Plan:
     """Permutations and block layout from labels (q [B, Hq, N], k [B, Hkv, N]) and the cluster map.
 
     Without `probs`, a block pair is attended when any (query cluster, key cluster) pair in it is kept
@@ -246,30 +281,39 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
     `cluster_probs()`), each query cluster keeps key blocks by the top-p budget (module docstring) and
     `cluster_map` only feeds `cluster_density`.
     `pad_queries` None: pad query clusters to whole blocks unless that adds more than PAD_LIMIT of the sequence
-    in some row (many small clusters), then pack them like the keys."""
+    in some row (many small clusters), then pack them like the keys. `padded_slots`: `padded_query_slots` of
+    these labels' cluster sizes, started earlier (the backend starts it right after clustering the queries)."""
     b, hq, n = q_labels.shape
     hkv = k_labels.shape[1]
+    group = hq // hkv
     cq, ck = cluster_map.shape[-2:]
     text, seq = meta.text_tokens, meta.seq_len
     flat_q = q_labels.reshape(b * hq, n)
-    q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(flat_q, cq, text, block)
-    if pad_queries is False or (pad_queries is None and int(q_total.max()) > (1 + PAD_LIMIT) * seq):
-        q_slots, q_total, q_labels_at, q_sizes = _sorted_slots(flat_q, cq, text, None)
-    k_slots, _, k_labels_at, k_sizes = _sorted_slots(k_labels.reshape(b * hkv, n), ck, text, None)
-    length = cdiv(max(int(q_total.max()), seq), block) * block
-    q_labels_at = F.pad(q_labels_at, (0, length - q_labels_at.shape[1]), value=-1)
-    k_labels_at = F.pad(k_labels_at, (0, length - k_labels_at.shape[1]), value=-1)
+    q_sizes = _label_sizes(flat_q, cq)
+    text_padded = cdiv(text, block) * block
+    pad, length = False, cdiv(seq, block) * block
+    if pad_queries is not False:
+        # the one host read of a call: the permuted length (a tensor shape) depends on the clusters' sizes
+        slots = padded_slots or HostInt(padded_query_slots(q_sizes, block))
+        padded = slots.value() + text_padded
+        pad = pad_queries is True or padded <= (1 + PAD_LIMIT) * seq
+        if pad:
+            length = cdiv(max(padded, seq), block) * block
+    q_slots, q_labels_at = _sorted_slots(flat_q, q_sizes, text, block if pad else None, length)
+    flat_k = k_labels.reshape(b * hkv, n)
+    k_sizes = _label_sizes(flat_k, ck)
+    k_slots, k_labels_at = _sorted_slots(flat_k, k_sizes, text, None, length)
     # clusters present in each block (text is cluster cq / ck: kept by and keeping everything)
     q_member = _membership(q_labels_at, cq + 1, block).view(b, hq, -1, cq + 1)
-    k_member = _membership(k_labels_at, ck + 1, block).view(b, hkv, -1, ck + 1).repeat_interleave(hq // hkv, 1)
+    k_member = _per_q_head(_membership(k_labels_at, ck + 1, block).view(b, hkv, -1, ck + 1), group)
     kept_mass = None
     if probs is None:
         full = F.pad(cluster_map, (0, 1, 0, 1), value=True)
         rows = torch.matmul(q_member.float(), full.float())  # [B, Hq, nq, Ck + 1]: > 0 where some query keeps it
         blocks = torch.matmul(rows, k_member.float().transpose(-1, -2)) > 0
     else:
-        counts = _block_counts(k_labels_at, ck, block).view(b, hkv, -1, ck).repeat_interleave(hq // hkv, 1)
-        per_token = probs / k_sizes.view(b, hkv, 1, ck).repeat_interleave(hq // hkv, 1).clamp(min=1)
+        counts = _per_q_head(_block_counts(k_labels_at, ck, block).view(b, hkv, -1, ck), group)
+        per_token = probs / _per_q_head(k_sizes.view(b, hkv, 1, ck), group).clamp(min=1)
         mass = torch.matmul(per_token, counts.transpose(-1, -2))  # [B, Hq, Cq, nk]: each row sums to 1
         latent_blocks = cdiv(n, block)
         keep = top_p_keep(mass, top_p, int(min_ratio * latent_blocks))
@@ -279,7 +323,7 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
         blocks |= q_member[..., cq, None]  # text query blocks attend everything
     real = (seq - torch.arange(length // block, device=blocks.device) * block).clamp(0, block)
     k_lengths = None if length == seq else real.to(torch.int32)
-    layout = layout_from_mask(blocks, block, block, length, k_lengths)
+    layout = layout_from_mask(blocks, block, block, length, k_lengths, width=length // block)
     q_slot = _to_input_order(q_slots, meta)
     k_slot = _to_input_order(k_slots, meta)
     return SVG2Plan(
@@ -288,7 +332,7 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
         k_index=_index_of(k_slot, length).view(b, hkv, length).transpose(1, 2),
         k_slot=k_slot.view(b, hkv, -1).transpose(1, 2),
         layout=layout, cluster_map=cluster_map, q_sizes=q_sizes.view(b, hq, cq),
-        k_sizes=k_sizes.view(b, hkv, ck).repeat_interleave(hq // hkv, 1), kept_mass=kept_mass)
+        k_sizes=_per_q_head(k_sizes.view(b, hkv, ck), group), kept_mass=kept_mass)
 
 
 def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -299,6 +343,14 @@ def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def unpermute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """[B, L, H, D] in slot order -> [B, S, H, D] in input order (`slot` [B, S, H])."""
     return x.gather(1, slot[..., None].expand(*slot.shape, x.shape[-1]))
+
+
+def _problems(x: torch.Tensor, image: slice, dtype: torch.dtype) -> torch.Tensor:
+    """Latent tokens [B, S, H, D] -> k-means problems [B * H, N, D] in `dtype`: one transposing copy."""
+    b, _, h, d = x.shape
+    latent = x[:, image]
+    out = torch.empty(b, h, latent.shape[1], d, dtype=dtype, device=x.device)
+    return out.copy_(latent.permute(0, 2, 1, 3)).view(b * h, -1, d)
 
 
 @dataclass
@@ -354,42 +406,45 @@ class SparseVideoGen2Backend(SparseDiTBackend):
             if self.svg2.zero_step_kmeans_init:
                 self.cluster(q, k, meta, layer)
             return self.forward_dense(q, k, v, scale=scale)
-        q_res, k_res = self.cluster(q, k, meta, layer)
+        block = self.block or (64 if q.device.type == "cuda" else 16)
+        q_res, k_res, padded_slots = self.cluster(q, k, meta, layer, block)
         b, _, hq, d = q.shape
         hkv = k.shape[2]
         n = meta.image_tokens
-        probs = cluster_probs(q_res.centroids.view(b, hq, -1, d), k_res.centroids.view(b, hkv, -1, d)
-                              .repeat_interleave(hq // hkv, dim=1), k_res.sizes.view(b, hkv, -1)
-                              .repeat_interleave(hq // hkv, dim=1), scale)
+        probs = cluster_probs(q_res.centroids.view(b, hq, -1, d),
+                              _per_q_head(k_res.centroids.view(b, hkv, -1, d), hq // hkv),
+                              _per_q_head(k_res.sizes.view(b, hkv, -1), hq // hkv), scale)
         q_labels, k_labels, probs = semantic_cluster_order(q_res.labels.view(b, hq, n), k_res.labels.view(b, hkv, n),
                                                            probs)
         cmap = top_p_keep(probs, self.svg2.top_p_kmeans, int(self.svg2.min_kc_ratio * probs.shape[-1]))
-        block = self.block or (64 if q.device.type == "cuda" else 16)
         plan = svg2_plan(q_labels, k_labels, cmap, meta, block, probs=probs, top_p=self.svg2.top_p_kmeans,
-                         min_ratio=self.svg2.min_kc_ratio)
+                         min_ratio=self.svg2.min_kc_ratio, padded_slots=padded_slots)
         self.last_plan = plan
         out = self.run(permute(q, plan.q_index), permute(k, plan.k_index), permute(v, plan.k_index), plan.layout,
                        scale)
         return unpermute(out, plan.q_slot)
 
-    def cluster(self, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, layer: int
-                ) -> tuple[KMeansResult, KMeansResult]:
+    def cluster(self, q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, layer: int, block: int = 16
+                ) -> tuple[KMeansResult, KMeansResult, HostInt]:
         """k-means of this layer's latent queries and keys per (batch row, head), warm-started within a
-        generation; returns (q result, k result) over [B*H, N] problems."""
+        generation; returns (q result, k result) over [B*H, N] problems and the padded query length
+        (`padded_query_slots`) on its way to the host, started before the keys are clustered."""
         n = meta.image_tokens
         image = slice(meta.image_start, meta.image_start + n)
         dtype = pooling_dtype(q)
-        qx = q[:, image].permute(0, 2, 1, 3).reshape(-1, n, q.shape[-1]).to(dtype)
-        kx = k[:, image].permute(0, 2, 1, 3).reshape(-1, n, k.shape[-1]).to(dtype)
+        qx, kx = _problems(q, image, dtype), _problems(k, image, dtype)
         cq, ck = min(self.svg2.num_q_centroids, n), min(self.svg2.num_k_centroids, n)
         key = (tuple(q.shape), tuple(k.shape), meta.grid, cq, ck, str(q.device), dtype)
         warm = self.state.warm(layer, key, meta.step_index)
         iters = self.svg2.kmeans_iter_init if warm is None else self.svg2.kmeans_iter_step
-        fast = q.dtype if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None  # tensor-core scores
-        q_res = kmeans(qx, cq, iters, None if warm is None else warm.q_centroids, score_dtype=fast)
-        k_res = kmeans(kx, ck, iters, None if warm is None else warm.k_centroids, score_dtype=fast)
+        fast = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # tensor-core scores in q's dtype
+        q_res = kmeans(qx, cq, iters, None if warm is None else warm.q_centroids,
+                       x_scores=_problems(q, image, q.dtype) if fast else None)
+        padded_slots = HostInt(padded_query_slots(q_res.sizes, block))
+        k_res = kmeans(kx, ck, iters, None if warm is None else warm.k_centroids,
+                       x_scores=_problems(k, image, k.dtype) if fast else None)
         self.state.layers[layer] = _LayerState(key, meta.step_index, q_res.centroids, k_res.centroids)
-        return q_res, k_res
+        return q_res, k_res, padded_slots
 
 
 __all__ = ["SVG2Config", "SparseVideoGen2Backend", "cluster_probs", "dynamic_map", "semantic_cluster_order",

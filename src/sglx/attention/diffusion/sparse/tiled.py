@@ -57,7 +57,9 @@ def block_means(x: torch.Tensor, order: TileOrder, heads: int | None = None) -> 
     b, slots, hx, d = x.shape
     nb, block = order.num_blocks, order.block
     weights = on_device(real_slots(order), x.device).to(pooling_dtype(x))  # [nb, block]
-    padded = torch.nn.functional.pad(x.to(weights.dtype), (0, 0, 0, 0, 0, nb * block - slots))
+    padded = x.to(weights.dtype)
+    if nb * block != slots:  # (tile orders fill whole blocks: usually no copy)
+        padded = torch.nn.functional.pad(padded, (0, 0, 0, 0, 0, nb * block - slots))
     sums = torch.einsum("bnkhd,nk->bhnd", padded.view(b, nb, block, hx, d), weights)
     means = sums / weights.sum(1).clamp(min=1.0)[None, None, :, None]
     if heads is not None and heads != hx:

@@ -165,17 +165,46 @@ def chunk_order(grid: Grid, box: Grid, text_tokens: int, text_prefix: bool, bloc
     return tile_order(grid, box, text_tokens, text_prefix, block)
 
 
+@dataclass(frozen=True)
+class ChunkTables:
+    """What a chunk order says about its blocks, built once per (order, device) so a call reads nothing back
+    from the GPU: `tile` chunk of each block (-1: text), `text` its text blocks, `video` the latent block ids,
+    `block_counts` real tokens per block, `chunk_counts` per chunk, `own_hot` [nb, C] each latent block's own
+    chunk, `key_column` [nb] the column of a key block in [chosen chunks..., text] (text: C)."""
+
+    chunks: int
+    latent_blocks: int
+    tile: torch.Tensor
+    text: torch.Tensor
+    video: torch.Tensor
+    block_counts: torch.Tensor
+    chunk_counts: torch.Tensor
+    own_hot: torch.Tensor
+    key_column: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_tables(order: TileOrder, device: torch.device, dtype: torch.dtype) -> ChunkTables:
+    tile = order.block_tile  # CPU
+    text = tile < 0
+    video = torch.nonzero(~text).squeeze(1)
+    chunks = int(tile.max()) + 1 if video.numel() else 0
+    counts = real_slots(order).sum(1).to(dtype)  # [nb]
+    per_chunk = counts.new_zeros(chunks).index_add_(0, tile[video], counts[video])
+    own_hot = torch.zeros(tile.numel(), chunks, dtype=torch.bool)
+    own_hot[video, tile[video]] = True
+    key_column = torch.where(text, chunks, tile)
+    return ChunkTables(chunks, int(video.numel()), *(t.to(device) for t in (
+        tile, text, video, counts, per_chunk, own_hot, key_column)))
+
+
 def chunk_means(k_ordered: torch.Tensor, order: TileOrder, heads: int) -> torch.Tensor:
     """Mean key of every chunk's real tokens: [B, slots, Hkv, D] in chunk order -> [B, H, chunks, D]."""
-    tile = on_device(order.block_tile, k_ordered.device)
-    video = torch.nonzero(tile >= 0).squeeze(1)
-    counts = on_device(real_slots(order), k_ordered.device).sum(1).to(pooling_dtype(k_ordered))  # [nb]
-    sums = block_means(k_ordered, order, heads) * counts[None, None, :, None]
-    chunks = int(tile.max()) + 1
-    out = sums.new_zeros(sums.shape[0], sums.shape[1], chunks, sums.shape[3])
-    out.index_add_(2, tile[video], sums.index_select(2, video))
-    per_chunk = counts.new_zeros(chunks).index_add_(0, tile[video], counts[video])
-    return out / per_chunk[None, None, :, None]
+    tables = chunk_tables(order, k_ordered.device, pooling_dtype(k_ordered))
+    sums = block_means(k_ordered, order, heads) * tables.block_counts[None, None, :, None]
+    out = sums.new_zeros(sums.shape[0], sums.shape[1], tables.chunks, sums.shape[3])
+    out.index_add_(2, tables.tile[tables.video], sums.index_select(2, tables.video))
+    return out / tables.chunk_counts[None, None, :, None]
 
 
 # How candidates are grouped for normalisation and the cumulative threshold (upstream's threshold_type), as the
@@ -223,15 +252,15 @@ def select_threshold(gate: torch.Tensor, own_hot: torch.Tensor, valid: torch.Ten
 
 
 def select_topk(gate: torch.Tensor, own_hot: torch.Tensor, valid: torch.Tensor, topk: int,
-                threshold_type: str = "query_head") -> torch.Tensor:
+                threshold_type: str = "query_head", latent_rows: int | None = None) -> torch.Tensor:
     """Upstream's top-k rule: own-chunk entries first, then the best gates; query_head keeps k chunks per query
     block and head, head_global k x (query blocks) entries per head, overall k x heads x (query blocks) per
-    batch row. -> bool [B, H, N, C]."""
+    batch row. -> bool [B, H, N, C]. `latent_rows`: the valid query blocks (read from `valid` when None)."""
     if threshold_type == "block":
         raise ConfigError(f"{NAME} moba_select_mode topk takes moba_threshold_type query_head, head_global or "
                           "overall (upstream has no top-k per block)", "moba_threshold_type")
     dims = GROUP_DIMS[threshold_type]
-    rows = int(valid[0, 0, :, 0].sum())  # valid (latent) query blocks
+    rows = int(valid[0, 0, :, 0].sum()) if latent_rows is None else latent_rows  # valid (latent) query blocks
     per_group = {"query_head": 1, "head_global": rows, "overall": rows * gate.shape[1]}[threshold_type]
     g, perm, shape = _grouped(gate.masked_fill(own_hot, float("inf")).masked_fill(~valid, float("-inf")), dims)
     ok, _, _ = _grouped(valid, dims)
@@ -258,21 +287,24 @@ def vmoba_plan(q: torch.Tensor, k: torch.Tensor, meta: DiTAttnMetadata, cfg: VMo
 
 def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, cfg: VMoBAConfig, kind: ChunkKind
                  ) -> VMoBAPlan:
-    """The plan from q and k already in chunk order [B, slots, H, D]."""
+    """The plan from q and k already in chunk order [B, slots, H, D]. Reads nothing back from the device."""
+    tables = chunk_tables(order, qs.device, pooling_dtype(qs))
     qb = block_means(qs, order)  # [B, H, nb, D]
     kc = chunk_means(ks, order, qs.shape[2])  # [B, H, C, D]
     gate = torch.einsum("bhnd,bhcd->bhnc", qb.double(), kc.double())
-    tile = on_device(order.block_tile, qs.device)
-    text = tile < 0
-    own_hot = F.one_hot(tile.clamp(min=0), gate.shape[-1]).bool()[None, None] & ~text[None, None, :, None]
+    text = tables.text
+    own_hot = tables.own_hot[None, None]
     valid = (~text)[None, None, :, None].expand(gate.shape)
     if cfg.moba_select_mode == "topk":
-        chosen = select_topk(gate, own_hot, valid, cfg.topk(kind), cfg.moba_threshold_type)
+        chosen = select_topk(gate, own_hot, valid, cfg.topk(kind), cfg.moba_threshold_type, tables.latent_blocks)
     else:
         chosen = select_threshold(gate, own_hot, valid, cfg.moba_threshold, cfg.moba_threshold_type)
-    mask = chosen.index_select(-1, tile.clamp(min=0)) | text[None, None, None, :] | text[None, None, :, None]
+    # a text column every query block keeps, text query blocks keeping everything: one gather makes the mask
+    columns = F.pad(chosen, (0, 1), value=True) | text[None, None, :, None]
+    mask = columns.index_select(-1, tables.key_column)
     lengths = None if order.k_lengths is None else on_device(order.k_lengths, qs.device)
-    return VMoBAPlan(order, layout_from_mask(mask, order.block, order.block, order.slots, lengths), chosen)
+    layout = layout_from_mask(mask, order.block, order.block, order.slots, lengths, width=order.num_blocks)
+    return VMoBAPlan(order, layout, chosen)
 
 
 class VMoBABackend(SparseDiTBackend):
