@@ -210,6 +210,7 @@ def test_doctor_explains_the_pick() -> None:
     from rich.console import Console
 
     report = build_report(h100(), "llm")
+    assert report["machine"]["gpu_class"] == "sm90-h100"
     mha = next(s for s in report["sections"] if s["kind"] == "mha")["auto"]
     assert mha["backend"] == "fa4" and "measured on sm90-h100" in mha["why"]
     decode = next(m for m in mha["measured"] if m["phase"] == "decode")

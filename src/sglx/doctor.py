@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sglx import __version__
 from sglx.attention.checks import run_check
+from sglx.attention.measured.record import gpu_class
 from sglx.attention.registry import LLMFeatures, all_backends, availability, chosen_variant
 from sglx.attention.request import AttentionRequest, Family
 from sglx.attention.requirements import device_name
@@ -41,6 +42,7 @@ def _machine(snap: PlatformSnapshot) -> dict[str, Any]:
         "cudnn": snap.cudnn_version,
         "driver": snap.driver_version,
         "sglx": __version__,
+        "gpu_class": gpu_class(snap),  # names the measured record auto ranks by (sglx/attention/measured/)
     }
 
 
@@ -134,6 +136,8 @@ def _machine_panel(report: dict[str, Any]) -> Panel:
     versions += [f"{k} {m[k]}" for k in ("cuda", "hip", "cudnn", "driver") if m[k]]
     lines.append("[bold]versions[/] " + ", ".join(versions))
     lines.append(f"[bold]os[/]      {m['os']}")
+    if m.get("gpu_class"):
+        lines.append(f"[bold]class[/]   {m['gpu_class']} (the name of its measured attention record)")
     return Panel("\n".join(lines), title="sglx doctor: this machine", expand=False)
 
 
