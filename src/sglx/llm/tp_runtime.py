@@ -18,8 +18,11 @@ context is 2 MB, microseconds over NVLink), plus the pickled header.
 
 Idle: a worker waiting for the next step sits in a broadcast, and collectives time out (SGLX_DIST_TIMEOUT,
 300 s): a server with no requests for that long would break its own group. So after a few idle seconds the
-driver broadcasts PARK; parked workers wait on a multiprocessing queue (no timeout) and the next step first puts
-a wake-up token there. Workers that torchrun started have no such queue and are never parked.
+driver broadcasts PARK (with the park's key); parked workers wait for that key in the process group's own
+key-value store, with no timeout, and the next step first sets it to WAKE (shutdown sets LEAVE). The store is
+the one every launch already has (rank 0's TCPStore under sglx's spawn, the agent's under torchrun, the
+MASTER_ADDR:MASTER_PORT one under any RANK/WORLD_SIZE launcher), so ranks started by torchrun park the same way
+as sglx's own. A parked worker whose driver dies sees the store's connection close (or is ended by torchrun).
 
 Failure: a worker that raises reports one line and exits; the driver's watcher terminates every other
 worker and aborts the process group, so the driver's pending collective fails, the running requests end
@@ -32,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,7 +59,9 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # workers load their shards while the driver loads its own
 PARK_AFTER_S = 5.0  # idle seconds before the workers are parked (at most a quarter of the collective timeout)
-WAKE, LEAVE = "wake", "leave"  # what a parked worker reads from its queue
+WAKE, LEAVE = b"wake", b"leave"  # what a parked worker reads under its park's key
+PARKED_WAIT = timedelta(days=3650)  # a parked worker waits for its key with no practical limit
+LEFT_WAIT_S = 30.0  # how long shutdown waits for parked workers to read LEAVE before leaving the group
 
 
 def validate_tp(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -90,7 +97,7 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
         return ModelRunner(config)
     validate_tp(config, load_model_config(config.resolved_model_path()))
     if launched_rank is not None and launched_rank > 0:  # torchrun started this rank: serve rank 0, then leave
-        _worker_main(launched_rank, config.tp_size, config, None)
+        _worker_main(launched_rank, config.tp_size, config, None)  # parks like a spawned worker when idle
         raise SystemExit(0)
     driver = TPDriver(config, spawn=launched_rank is None)
     try:
@@ -153,17 +160,15 @@ class TPDriver:
         self.platform = platform.current()  # probed once, here; the workers select from the same snapshot
         self._step_lock = threading.Lock()  # one step (or park) on the wire at a time
         self._parked = False
+        self._parks = 0  # parks so far: each has its own key, so a stale wake-up can never wake a later park
+        self._park_id = secrets.randbits(62)  # this driver's keys, apart from any earlier group's in the same store
         self._last_step = time.monotonic()
-        self._wake: list[Any] = []  # one queue per spawned worker: where parked workers wait
         if not spawn:
             self.workers: WorkerGroup | _LauncherWorkers = _LauncherWorkers()
             self.ctx = init_distributed(0, self.world_size, device=_device_for(config, 0))
             self.ctx.broadcast_object(self.platform)  # the launcher's ranks select from rank 0's snapshot
             return
-        import torch.multiprocessing as mp
-
-        self._wake = [mp.get_context("spawn").Queue() for _ in range(self.world_size - 1)]
-        self.workers = start_workers(_worker_main, self.world_size, (config, self.platform, self._wake),
+        self.workers = start_workers(_worker_main, self.world_size, (config, self.platform),
                                      on_failure=self._on_failure)
         self.ctx = self._join_group()
 
@@ -186,8 +191,7 @@ class TPDriver:
         runner = ModelRunner(self.config, dist=self.ctx, platform_snapshot=self.platform)
         runner.tp_driver = self
         self.runner = runner
-        if self._wake:
-            threading.Thread(target=self._park_when_idle, name="sglx-tp-park", daemon=True).start()
+        threading.Thread(target=self._park_when_idle, name="sglx-tp-park", daemon=True).start()
         return runner
 
     # ---------------------------------------------------------------- steps
@@ -215,8 +219,7 @@ class TPDriver:
 
     def _unpark(self) -> None:
         if self._parked:
-            for queue in self._wake:
-                queue.put(WAKE)
+            _group_store().set(_park_key(self._park_id, self._parks), WAKE)
             self._parked = False
 
     def _park_when_idle(self) -> None:
@@ -234,7 +237,8 @@ class TPDriver:
             try:
                 if not self._parked and not self._closed and self.workers.failure is None and \
                         time.monotonic() - self._last_step >= after:
-                    _broadcast_header(self.ctx, PARK)
+                    self._parks += 1
+                    _broadcast_header(self.ctx, PARK, self._parks, self._park_id)
                     self._parked = True
             except Exception:  # noqa: BLE001 - a broken group is reported by the workers' watcher
                 return
@@ -283,8 +287,7 @@ class TPDriver:
             try:
                 with contextlib.suppress(Exception):
                     if self._parked:
-                        for queue in self._wake:
-                            queue.put(LEAVE)
+                        self._release_parked()
                     else:
                         _broadcast_stop(self.ctx)
                     self.workers.wait(30.0)
@@ -294,6 +297,36 @@ class TPDriver:
         self.workers.shutdown()
         with contextlib.suppress(Exception):
             destroy_distributed()
+
+    def _release_parked(self) -> None:
+        """Set the park's key to LEAVE and wait (briefly) until every worker read it: under torchrun-style
+        launches rank 0 hosts the store, which leaving the group closes."""
+        store, key = _group_store(), _park_key(self._park_id, self._parks)
+        store.set(key, LEAVE)
+        deadline = time.monotonic() + LEFT_WAIT_S
+        while store.add(key + "/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _group_store() -> Any:
+    """The default process group's key-value store (torch keeps it; every launch method creates one)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _park_key(park_id: int, park: int) -> str:
+    return f"sglx/tp/park/{park_id}/{park}"
+
+
+def _wait_parked(key: str) -> bytes:
+    """A parked worker: wait outside any collective until the driver sets `key`; WAKE or LEAVE."""
+    store = _group_store()
+    store.wait([key], PARKED_WAIT)
+    action = bytes(store.get(key))
+    if action == LEAVE:
+        store.add(key + "/left", 1)  # the driver may now close the store
+    return action
 
 
 def _device_for(config: EngineConfig, rank: int) -> torch.device:
@@ -321,7 +354,7 @@ def _abort_group() -> None:
 _MODES = list(ForwardMode)
 _HEADER = 5  # mode, tokens, batch size, row width, return_all_logits
 STOP = -1  # the mode value that tells workers to leave
-PARK = -2  # the mode value that tells workers to wait on their queue (the driver is idle)
+PARK = -2  # the mode value that tells workers to wait in the store (the driver is idle); then park number, id
 
 
 def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
@@ -339,22 +372,24 @@ def _broadcast_batch(ctx: DistContext, batch: ForwardBatch) -> None:
     ctx.broadcast(torch.cat([p.to(device=ctx.device, dtype=torch.int64, non_blocking=True) for p in parts]))
 
 
-def _broadcast_header(ctx: DistContext, mode: int) -> None:
-    ctx.broadcast(torch.tensor([mode, 0, 0, 0, 0], dtype=torch.int64, device=ctx.device))
+def _broadcast_header(ctx: DistContext, mode: int, *fields: int) -> None:
+    header = [mode, *fields] + [0] * (_HEADER - 1 - len(fields))
+    ctx.broadcast(torch.tensor(header, dtype=torch.int64, device=ctx.device))
 
 
 def _broadcast_stop(ctx: DistContext) -> None:
     _broadcast_header(ctx, STOP)
 
 
-def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | int | None:
+def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | str | None:
+    """The next step; None when the driver says STOP; the park's store key when it says PARK."""
     header = torch.empty(_HEADER, dtype=torch.int64, device=ctx.device)
     ctx.broadcast(header)
     mode, t, bs, width, all_logits = header.tolist()
     if mode == STOP:
         return None
-    if mode == PARK:
-        return PARK
+    if mode == PARK:  # header: PARK, park number, the driver's park id
+        return _park_key(park_id=bs, park=t)
     buf = torch.empty(3 * t + 4 * bs + bs * width, dtype=torch.int64, device=ctx.device)
     ctx.broadcast(buf)
     input_ids, positions, req_idx, out_loc, lens, rows = buf.split([t, t, bs, t, 3 * bs, bs * width])
@@ -372,12 +407,11 @@ def _receive_batch(ctx: DistContext, runner: ModelRunner) -> ForwardBatch | int 
         extend_prefix_lens_cpu=prefix_lens if fmode.is_extend else [], return_all_logits=bool(all_logits))
 
 
-def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None,
-                 wake: list[Any] | None = None) -> int:
-    """A worker rank: join the group, build its shard of the model, then run every step rank 0 sends.
+def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: PlatformSnapshot | None) -> int:
+    """A worker rank (sglx's spawn or torchrun): join the group, build its shard of the model, then run every
+    step rank 0 sends, waiting in the group's store while the driver has it parked.
 
-    platform: rank 0's snapshot of the machine; None (torchrun) receives it from rank 0 after joining.
-    wake: per-worker queues (sglx's spawn) where the worker waits while the driver has it parked."""
+    platform: rank 0's snapshot of the machine; None (torchrun) receives it from rank 0 after joining."""
     from sglx.llm.model_runner import ModelRunner
 
     if _device_for(config, rank).type == "cpu":
@@ -392,8 +426,8 @@ def _worker_main(rank: int, world_size: int, config: EngineConfig, platform: Pla
             batch = _receive_batch(ctx, runner)
             if batch is None:
                 break
-            if isinstance(batch, int):  # PARK: the driver is idle; wait outside any collective
-                if wake is None or wake[rank - 1].get() == LEAVE:
+            if isinstance(batch, str):  # PARK: the driver is idle; wait outside any collective
+                if _wait_parked(batch) == LEAVE:
                     break
                 continue
             runner.forward(batch)
