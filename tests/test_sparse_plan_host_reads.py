@@ -4,6 +4,9 @@ the no-read code paths give what the reading ones gave."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -110,3 +113,10 @@ def test_svg2_warm_call_reads_one_value_back():
         out = backend.forward(q, k, v, meta=meta.at_step(41), layer=5)  # warm: 2 k-means iterations
     assert spy.reads == ["_local_scalar_dense"]  # the permuted query length
     assert backend.last_plan is not None and out.shape == q.shape
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_kmeans_assignment_under_the_interpreter():
+    from triton_interpreted.launch import run_interpreted
+
+    run_interpreted("kmeans_assign_cases.py")

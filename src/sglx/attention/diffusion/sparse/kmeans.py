@@ -10,16 +10,21 @@ every CHECK_EVERY iterations (a long first clustering may stop early; a warm sta
 for the GPU). Once the largest centroid shift falls below `tol` the centroids freeze on the device, so further
 iterations reassign to the same centroids and the result equals stopping there. Distances are one GEMM plus
 one fused `|c|^2 - 2 x.c` (no float copies of the score tensor), and centroid sums are one `index_add_` over
-flattened (problem, cluster) rows instead of a scatter through a [P, N, D] index.
+flattened (problem, cluster) rows instead of a scatter through a [P, N, D] index. On CUDA with half-precision
+scores the assignment is one Triton kernel (sglx.attention.kernels.kmeans_assign) that never writes the score
+tensor; SGLX_KMEANS_ASSIGN=torch keeps the torch assignment (for comparisons).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 MAX_SCORE_ELEMENTS = 1 << 27  # ~512 MB of float32 scores per slice
+ASSIGN_ENV = "SGLX_KMEANS_ASSIGN"  # "torch": no fused kernel even where it runs
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,25 @@ def strided_init(x: torch.Tensor, clusters: int) -> torch.Tensor:
     return x.index_select(1, picks).clone()
 
 
+def fused_assign(xs: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The Triton assignment kernel where it serves these scores (CUDA, fp16/bf16), else None."""
+    if not xs.is_cuda or xs.dtype not in (torch.float16, torch.bfloat16) or os.environ.get(ASSIGN_ENV) == "torch":
+        return None
+    try:
+        from sglx.attention.kernels.kmeans_assign import fused_assign_supported, nearest_centroid
+    except ImportError:
+        return None
+    return nearest_centroid if fused_assign_supported(xs) else None
+
+
 def assign(x: torch.Tensor, centroids: torch.Tensor, x_scores: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest centroid of every point: argmin |x - c|^2 = argmin (|c|^2 - 2 x.c).
 
     `x_scores` is x in the dtype the x.c products run in (bf16 on GPUs: tensor cores; default x itself)."""
     xs = x if x_scores is None else x_scores
+    kernel = fused_assign(xs)
+    if kernel is not None:
+        return kernel(xs, centroids)
     p, n, _ = x.shape
     c = centroids.shape[1]
     step = max(1, MAX_SCORE_ELEMENTS // max(1, n * c))
@@ -113,4 +132,5 @@ def kmeans(x: torch.Tensor, clusters: int, iters: int, init: torch.Tensor | None
     return KMeansResult(labels, centroids, cluster_sizes(labels, clusters))
 
 
-__all__ = ["CHECK_EVERY", "KMeansResult", "assign", "cluster_sizes", "kmeans", "strided_init", "update"]
+__all__ = ["ASSIGN_ENV", "CHECK_EVERY", "KMeansResult", "assign", "cluster_sizes", "fused_assign", "kmeans",
+           "strided_init", "update"]
