@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse_video import bench, dense_runs, rel_err, sampled_reference  # noqa: E402
 
 from sglx.attention.diffusion.metadata import DiTAttnMetadata  # noqa: E402
+from sglx.attention.diffusion.sparse.kmeans import ASSIGN_ENV  # noqa: E402
 from sglx.attention.diffusion.sparse.routes import pick_route, run_block_sparse  # noqa: E402
 from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend, permute  # noqa: E402
 from sglx.attention.diffusion.sparse.tiled import to_order  # noqa: E402
@@ -144,6 +146,13 @@ def main() -> None:
         return svg2.forward(q, k, v, scale=scale, meta=meta, layer=5)
 
     record("sparse_video_gen_2_attn default: warm call (2 k-means iters)", bench(warm, device), **extra)
+    if device.type == "cuda":  # the same call with torch's assignment instead of the fused Triton kernel
+        os.environ[ASSIGN_ENV] = "torch"
+        try:
+            record("sparse_video_gen_2_attn default: warm call, torch k-means assignment", bench(warm, device),
+                   **extra)
+        finally:
+            del os.environ[ASSIGN_ENV]
     for key, label in (("dense cuDNN SDPA", "speedup_vs_cudnn"), ("dense FA4", "speedup_vs_fa4")):
         base = results["runs"].get(key, {}).get("ms")
         if base:
