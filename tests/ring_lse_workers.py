@@ -3,7 +3,8 @@
 The fa backend is built on stand-in kernels with FA4's and FA2's signatures (the real ones need a GPU): they
 count their calls and compute exact attention in float64, returning bf16 outputs and a float32 LSE the way
 the packages do (FA2's LSE padded on the query axis, as some builds return it). sage_attn's stand-in has
-sageattn's signature and returns no LSE, so its ring steps must take the documented SDPA fallback.
+sageattn's signature and returns no LSE, so its ring steps must take the documented SDPA fallback. On GPUs
+(tests/gpu/test_ring_lse_gpu.py) "fa" is the real backend, its kernel's calls counted.
 """
 
 from __future__ import annotations
@@ -90,10 +91,28 @@ class CountingSDPA(TorchSDPABackend):
         return super().forward_dense_with_lse(q, k, v, scale=scale)
 
 
+def _counted_fa(calls: Calls):  # type: ignore[no-untyped-def]
+    """The real fa backend (the FA variant the registry picks here), counting its kernel's calls."""
+    from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
+
+    backend = FlashAttentionBackend()
+    kernel = backend._fn
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.n += 1
+        calls.lse_requests += int(bool(kwargs.get("return_lse") or kwargs.get("return_attn_probs")))
+        return kernel(*args, **kwargs)
+
+    backend._fn = counted
+    return backend
+
+
 def _backend(name: str, calls: Calls):  # type: ignore[no-untyped-def]
     from sglx.attention.diffusion.flash_attn import FlashAttentionBackend
     from sglx.attention.diffusion.sage import SageAttentionBackend
 
+    if name == "fa":
+        return _counted_fa(calls), torch.bfloat16
     if name == "torch_sdpa":
         return CountingSDPA(calls), torch.float32
     if name == "fa4":
@@ -112,13 +131,13 @@ class _Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def ring_backend_cases(rank: int, world: int, names: list[str]) -> dict[str, Any]:
-    """Per backend, ring degree `world` with prefix text and GQA (4 query heads, 2 KV heads, head dim 64 for
-    sage): max |ring - SP 1 through the same backend|, max |ring - float64|, the rank's calls of the backend's
-    kernel (and LSE requests) during the ring forward, whether the ring used the backend's own kernel, and the
-    warnings logged."""
+def ring_backend_cases(rank: int, world: int, names: list[str], device: str = "cpu") -> dict[str, Any]:
+    """Per backend, ring degree `world` with prefix text and GQA (4 query heads, 2 KV heads; head dim 64 for
+    sage and the real fa): max |ring - SP 1 through the same backend|, max |ring - float64|, the rank's calls
+    of the backend's kernel (and LSE requests) during the ring forward, whether the ring used the backend's
+    own kernel, and the warnings logged."""
     torch.set_num_threads(1)
-    init_distributed(device="cpu")
+    dev = init_distributed(device=device).device
     warnings = _Warnings()
     logging.getLogger("sglx.diffusion").addHandler(warnings)
     groups = sp_groups(SPDegrees(1, world))
@@ -127,11 +146,12 @@ def ring_backend_cases(rank: int, world: int, names: list[str]) -> dict[str, Any
         for i, name in enumerate(names):
             calls = Calls()
             backend, dtype = _backend(name, calls)
-            dim = 64 if name == "sage" else DIM  # sageattn takes head dims 64/96/128
+            dim = 64 if name in ("sage", "fa") else DIM  # sageattn and FA4 take head dims 64/96/128
             meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=dim, text_tokens=5, text_position="prefix")
             q, k, v = _inputs(40 + i, 5, 2, dtype)
             if dim != DIM:
                 q, k, v = (torch.cat([t] * (dim // DIM), dim=-1) * (DIM / dim) ** 0.25 for t in (q, k, v))
+            q, k, v = (t.to(dev) for t in (q, k, v))
             single = backend.forward(q, k, v, meta=meta)  # SP 1: one process, the backend's own forward
             calls.n = calls.lse_requests = 0
             before = len(warnings.lines)
