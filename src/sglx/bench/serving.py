@@ -13,6 +13,7 @@ or text built from a tokenizer's vocabulary (SGLang's random dataset), or random
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -138,6 +139,15 @@ def build_prompts(config: ServingBenchConfig, vocab_size: int | None) -> list[Be
             prompts.append(BenchPrompt(text, len(tok.encode(text, add_special_tokens=False)), m))
         return prompts
     return [BenchPrompt(" ".join(rng.choice(WORDS) for _ in range(n)), n, m) for n, m in zip(ins, outs)]
+
+
+def prompts_fingerprint(prompts: list[BenchPrompt]) -> str:
+    """sha256 of the prompts and their output lengths: equal fingerprints mean the same requests (the offline
+    bench records it too, so a serving/offline ratio is only taken over identical prompt sets)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(json.dumps([p.prompt, p.output_len]).encode())
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -272,20 +282,25 @@ async def run_benchmark(config: ServingBenchConfig,
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(config, model, outcomes, duration, in_flight[1])
+    report = summarize(config, model, outcomes, duration, in_flight[1])
+    report["prompts_sha256"] = prompts_fingerprint(prompts)
+    return report
 
 
 # ------------------------------------------------------------------------------------------ statistics
 
 
+def _nearest_rank(ordered: list[float], q: float) -> float:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def _stats(values: list[float]) -> dict[str, float]:
-    """mean / median / p99 in milliseconds (0 when there are no values)."""
+    """mean / median (p50) / p90 / p99 in milliseconds, percentiles by nearest rank (0 when there are no values)."""
     if not values:
-        return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+        return {"mean_ms": 0.0, "median_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
     ordered = sorted(values)
-    rank = max(0, math.ceil(0.99 * len(ordered)) - 1)
     return {"mean_ms": statistics.fmean(ordered) * 1e3, "median_ms": statistics.median(ordered) * 1e3,
-            "p99_ms": ordered[rank] * 1e3}
+            "p90_ms": _nearest_rank(ordered, 0.90) * 1e3, "p99_ms": _nearest_rank(ordered, 0.99) * 1e3}
 
 
 def summarize(config: ServingBenchConfig, model: str, outcomes: list[RequestOutcome], duration: float,

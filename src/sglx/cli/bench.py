@@ -1,4 +1,4 @@
-"""`sglx bench`: benchmark sub-commands (serving, attention, one-batch); argument handling only."""
+"""`sglx bench`: benchmark sub-commands (serving, offline-throughput, attention, one-batch); argument handling only."""
 
 from __future__ import annotations
 
@@ -54,15 +54,19 @@ def serving(
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
     output_file: Path | None = typer.Option(None, "--output-file", help="Also write the JSON report here."),
     disable_progress: bool = typer.Option(False, "--disable-progress", help="No progress bar."),
+    offline_result: Path | None = typer.Option(
+        None, "--offline-result", help="JSON of `sglx bench offline-throughput` on the same options: the report "
+                                       "adds serving/offline throughput ratios (the prompts must be identical)."),
 ) -> None:
-    """Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, median, p99)."""
+    """Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, p50, p90, p99)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from sglx.bench.serving import ServingBenchConfig, run_benchmark
-    from sglx.bench.serving_report import report_table
+    from sglx.bench.serving_report import report_table, vs_offline
 
     try:
+        offline = _read_offline(offline_result) if offline_result is not None else None
         config = ServingBenchConfig(
             base_url=base_url, model=model, endpoint=Endpoint(endpoint).value, num_prompts=num_prompts,
             request_rate=request_rate, max_concurrency=max_concurrency, input_len=random_input_len,
@@ -81,6 +85,8 @@ def serving(
                 progress.update(task, advance=1, failed=f"{failed[0]} failed" if failed[0] else "")
 
             report = asyncio.run(run_benchmark(config, done))
+        if offline is not None:
+            report["vs_offline"] = vs_offline(report, offline, str(offline_result))
     except SglxError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -93,6 +99,65 @@ def serving(
         Console().print(report_table(report))
         for message in report["errors"]:
             typer.echo(f"error: {message}", err=True)
+    if report["failed"]:
+        raise typer.Exit(1)
+
+
+def _read_offline(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as exc:
+        raise SglxError(f"--offline-result {path}: cannot read a JSON object ({type(exc).__name__}: {exc}); give "
+                        "the file `sglx bench offline-throughput --output-file` wrote") from None
+
+
+@bench_app.command("offline-throughput")
+@with_engine_options
+def offline_throughput(
+    num_prompts: int = typer.Option(200, "--num-prompts", help="Requests to generate."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency",
+                                               help="Most requests in the engine at once (default: all at once)."),
+    random_input_len: int = typer.Option(256, "--random-input-len", help="Longest prompt, in tokens."),
+    random_output_len: int = typer.Option(128, "--random-output-len", help="Longest output (max_tokens)."),
+    random_range_ratio: float = typer.Option(1.0, "--random-range-ratio",
+                                             help="Lengths lie between ratio * len and len; 1.0 = all the same."),
+    length_dist: LengthDist = typer.Option("uniform", "--length-dist", help="How lengths spread over that range."),
+    prompt_kind: PromptKind = typer.Option("auto", "--prompt-kind",
+                                           help="As `sglx bench serving --prompt-kind` (auto: token ids)."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="HF tokenizer directory for text prompts."),
+    vocab_size: int | None = typer.Option(None, "--vocab-size",
+                                          help="Vocabulary of token-id prompts (default: the model's)."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Generate exactly max_tokens."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed", help="Seed of prompts and lengths (as `sglx bench serving`)."),
+    skip_warmup: bool = typer.Option(False, "--skip-warmup", help="No warm-up request before timing."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+    output_file: Path | None = typer.Option(None, "--output-file", help="Also write the JSON report here."),
+    engine_config: EngineConfig = None,  # type: ignore[assignment]  # filled by @with_engine_options
+) -> None:
+    """The engine's throughput without a server, on the prompts `sglx bench serving` sends with the same options.
+
+    Give it the flags you give `sglx serve`; then `sglx bench serving --offline-result FILE` reports the ratio.
+    """
+    from rich.console import Console
+
+    from sglx.bench.offline_throughput import OfflineBenchConfig, offline_table, run_offline_throughput
+
+    try:
+        config = OfflineBenchConfig(
+            num_prompts=num_prompts, input_len=random_input_len, output_len=random_output_len,
+            range_ratio=random_range_ratio, length_dist=LengthDist(length_dist).value,
+            prompt_kind=PromptKind(prompt_kind).value, tokenizer=str(tokenizer) if tokenizer else None,
+            vocab_size=vocab_size, ignore_eos=ignore_eos, temperature=temperature, seed=seed,
+            max_concurrency=max_concurrency, warmup=not skip_warmup)
+        err = Console(stderr=True)
+        report = run_offline_throughput(engine_config, config, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    except SglxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _write_report(report, json_output, output_file, offline_table(report))
+    for message in report["errors"]:
+        typer.echo(f"error: {message}", err=True)
     if report["failed"]:
         raise typer.Exit(1)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from sglx.errors import SglxError
 from sglx.llm.engine_config import EngineConfig
+from sglx.llm.loop_mailbox import MailboxRegistry
 from sglx.llm.request import OutputChunk, Request
 from sglx.llm.sampling import SamplingParams, make_generator
 
@@ -69,6 +70,7 @@ class Engine:
         )
         self._counter = itertools.count()
         self._closed = False
+        self._mailboxes = MailboxRegistry()  # streamed chunks reach each event loop in one wake-up per step
         self.scheduler.start()
 
     def _load_tokenizer(self) -> Any:
@@ -249,11 +251,11 @@ class Engine:
         Leaving the loop early (client disconnect, cancellation) aborts the request in the engine.
         With return_logprob, chunks carry "logprobs" (and "top_logprobs": (id, logprob) pairs) of their tokens.
         """
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.for_loop(asyncio.get_running_loop())
         q: asyncio.Queue[OutputChunk] = asyncio.Queue()
 
         def on_output(chunk: OutputChunk) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, chunk)
+            mailbox.put(q, chunk)
 
         req = self._make_request(prompt, input_ids, sampling_params, on_output, True, return_logprob, top_logprobs)
         self.scheduler.submit(req)
