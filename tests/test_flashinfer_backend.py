@@ -279,8 +279,11 @@ STEPS = [(ForwardMode.EXTEND, [9, 23, 4]), (ForwardMode.DECODE, [1, 1, 1]), (For
 
 
 def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec], monkeypatch: pytest.MonkeyPatch,
-              config: dict | None = None) -> list[str]:
-    """Each step through `name` (on the CPU, device check lifted) and torch_native on twin caches; outputs equal."""
+              config: dict | None = None, calibrate: bool = False) -> list[str]:
+    """Each step through `name` (on the CPU, device check lifted) and torch_native on twin caches; outputs equal.
+
+    `calibrate`: both fp8 pools get per-layer scales from the first prefill over rotated keys
+    (`--kv-cache-scales calibrate`), so `name` must rotate its queries on the paged paths."""
     import sglx.attention.llm.flashinfer as fi_mod
 
     monkeypatch.setattr(fi_mod, "check_context", lambda backend, ctx: None)
@@ -296,6 +299,9 @@ def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec]
             c.pool.v_buffer.append(torch.zeros_like(c.pool.v_buffer[0]))
             c.pool.k_scale.append(scales[0])
             c.pool.v_scale.append(scales[1])
+        if calibrate:
+            c.pool.num_layers = len(layers)
+            c.pool.calibrate_static_scales(rotate_keys=True)
     mine = find(name, "llm", "mha").load()(BackendContext(torch.device("cpu"), torch.float32, hq, hkv, dim, page,
                                                           caches[0].r2t, caches[0].pool, config or {}))
     ref = TorchNativeBackend(BackendContext(torch.device("cpu"), torch.float32, hq, hkv, dim, page, caches[1].r2t,
@@ -318,6 +324,9 @@ def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec]
             # ragged steps read this step's raw K/V, the reference reads them back from the (fp8) pool
             tol = 0.3 if kv_cache_dtype != "auto" and phases[-1] == "ragged" else 1e-5
             assert (got - want).abs().max().item() <= tol, (mode, phases[-1])
+        if calibrate:  # both pools froze the same scales from the first prefill (this step's K/V)
+            assert not any(caches[0].pool.scales_pending) and caches[0].pool.k_scale == caches[1].pool.k_scale
+            assert all(s != 1.0 for s in caches[0].pool.k_scale + caches[0].pool.v_scale)
         lo = hi
     return phases
 
@@ -349,8 +358,19 @@ def test_trtllm_decode_block_tables_and_flashinfer_prefill(flashinfer_standin, m
     assert phases == ["ragged", "trtllm", "paged", "paged", "trtllm"]
 
 
+@pytest.mark.parametrize("name", ["flashinfer", "trtllm_mha"])
+def test_calibrated_per_layer_scales_with_rotated_queries(flashinfer_standin, monkeypatch, name: str) -> None:
+    """--kv-cache-scales calibrate: the paged prefill and decode read rotated keys with one scale per layer and
+    must rotate their queries; the float64 stand-ins then equal torch_native over the same pool bytes."""
+    layers = [LayerSpec(0, 8, 2, 64, 0.1, sliding_window=12), LayerSpec(1, 8, 2, 64, 0.125)]
+    phases = run_steps(name, 16, "fp8_e4m3", layers, monkeypatch, calibrate=True)
+    decode = "trtllm" if name == "trtllm_mha" else "decode"
+    assert phases == ["ragged", decode, "paged", "paged", decode]
+
+
 def test_a_per_token_scale_pool_is_switched_to_per_layer_scales(flashinfer_standin, monkeypatch) -> None:
-    """FlashInfer applies one K and one V scale per layer: the (still empty) pool keeps static ones."""
+    """FlashInfer applies one K and one V scale per layer: the (still empty) pool gets static ones, calibrated
+    from the first prefill over rotated keys (--kv-cache-scales auto's choice for such backends)."""
     import inspect
 
     import sglx.attention.llm.flashinfer as fi_mod
@@ -364,4 +384,5 @@ def test_a_per_token_scale_pool_is_switched_to_per_layer_scales(flashinfer_stand
     fi_mod.FlashInferBackend(BackendContext(torch.device("cpu"), torch.float16, 4, 2, 64, 16, ReqToTokenPool(2, 32),
                                             pool))
     assert not pool.per_token_scales and pool.k_scale == [1.0, 1.0] and pool.v_scale == [1.0, 1.0]
-    assert fi_mod.layer_scales(pool, 1) == (None, None)
+    assert pool.scales_pending == [True, True] and pool.k_rotation is not None
+    assert fi_mod.layer_scales(pool, 1) == (None, None)  # until the first prefill stores

@@ -105,6 +105,41 @@ def test_store_kernel_quantizes_like_the_pool(kv_cache_dtype):
         store_kv(k, v, mine.k_buffer[0], mine.v_buffer[0], loc, mine.k_scale[0], mine.v_scale[0], mine.fp8_dtype)
 
 
+def test_store_path_writes_a_calibrated_rotated_static_pool_like_the_pool():
+    """--kv-cache-scales calibrate through the shared store path (kv_store.store_step_kv with the Triton kernel, as
+    on a GPU): the first prefill freezes the same per-layer scales as TokenKVPool.set_kv, the bytes agree."""
+    from types import SimpleNamespace
+
+    from sglx.attention.llm.base import LayerSpec
+    from sglx.attention.llm.kv_store import store_step_kv
+    from sglx.llm.forward_batch import ForwardMode
+
+    n, hkv, dim = 10, 2, 64
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(n, hkv, dim, generator=gen) * (0.05 + 3 * torch.rand(n, 1, 1, generator=gen))
+    k[..., 4] *= 25
+    v = torch.randn(n, hkv, dim, generator=gen)
+    pools = [TokenKVPool(2 * n + 4, 4, 1, hkv, dim, torch.float32, "fp8_e4m3") for _ in range(2)]
+    for pool in pools:
+        pool.calibrate_static_scales(rotate_keys=True)
+    loc = torch.randperm(n, generator=gen) + 4
+    layer = LayerSpec(0, 4, hkv, dim, dim ** -0.5)
+    batch = SimpleNamespace(mode=ForwardMode.EXTEND, token_kv_pool=pools[0], out_cache_loc=loc)
+    store_step_kv(k, v, layer, batch, kernel_on_cpu=True)
+    pools[1].set_kv(0, loc, k, v)
+    assert not pools[0].calibrating and pools[0].k_scale == pools[1].k_scale and pools[0].v_scale == pools[1].v_scale
+    same = (pools[0].k_buffer[0][loc] == pools[1].k_buffer[0][loc]).float().mean().item()
+    assert same > 0.99, same  # the kernel and torch round the same float32 values (rare matmul near-ties)
+    assert torch.equal(pools[0].v_buffer[0][loc], pools[1].v_buffer[0][loc])
+    back, _ = pools[0].get_kv(0, loc, torch.float64)
+    rel = ((back - k.double()).norm(dim=-1) / k.double().norm(dim=-1)).max().item()
+    assert rel < 0.04, rel
+    # a decode step afterwards stores with the frozen scales
+    batch = SimpleNamespace(mode=ForwardMode.DECODE, token_kv_pool=pools[0], out_cache_loc=loc[:2] + n)
+    store_step_kv(k[:2] * 2, v[:2], layer, batch, kernel_on_cpu=True)
+    assert pools[0].k_scale == pools[1].k_scale
+
+
 DECODE_CASES = [
     # (page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap, max_splits, merge)
     (16, 4, 2, 64, torch.float32, "fp8_e4m3", None, 0.0, 4, "last-split"),

@@ -23,6 +23,7 @@ from sglx.llm.engine_config import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
+    KV_CACHE_SCALES_CHOICES,
     LOAD_FORMAT_CHOICES,
     EngineConfig,
 )
@@ -106,7 +107,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("page_size", "--page-size", int | None, None,
                "Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse)."),
     EngineFlag("kv_cache_dtype", "--kv-cache-dtype", str, "auto",
-               "KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.", KV_CACHE_DTYPE_CHOICES),
+               "KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).", KV_CACHE_DTYPE_CHOICES),
+    EngineFlag("kv_cache_scales", "--kv-cache-scales", str, "auto",
+               "fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and "
+               "head where every chosen backend reads them (triton, torch_native), else calibrate; calibrate = one "
+               "scale per layer from the first prefill batch (amax/200 for K over rotated keys, amax/100 for V), "
+               "then frozen; one = 1.0 per layer.", KV_CACHE_SCALES_CHOICES),
     EngineFlag("mem_fraction_static", "--mem-fraction-static", float | None, None,
                "GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM "
                "for the KV cache (default 0.25)."),

@@ -14,6 +14,7 @@ from sglx.errors import SglxError
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_SCALES_CHOICES = ("auto", "calibrate", "one")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
@@ -35,6 +36,10 @@ class EngineConfig:
     attention_backend_config: str | None = None  # file, JSON or k=v pairs (sglx.attention.config)
     page_size: int | None = None  # None: what the chosen backends accept (1 for torch_native)
     kv_cache_dtype: str = "auto"
+    # fp8 KV scales when the checkpoint has no k_scale/v_scale (its scales always win): auto = per token where
+    # every selected backend reads them, else calibrate; calibrate = one K/V scale per layer from the first
+    # prefill batch over rotated keys, then frozen; one = 1.0 per layer (vLLM/SGLang without scales)
+    kv_cache_scales: str = "auto"
     mem_fraction_static: float | None = None  # GPU: share of device memory for weights + KV (default 0.85)
     max_total_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction_static
     max_running_requests: int | None = None  # None: derived from the pool size
@@ -63,6 +68,7 @@ class EngineConfig:
         choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         choice("--dtype", self.dtype, DTYPE_CHOICES)
         choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        choice("--kv-cache-scales", self.kv_cache_scales, KV_CACHE_SCALES_CHOICES)
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             problems.append(f"--device {self.device}: choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
         for flag, value, low in (("--page-size", self.page_size, 1),

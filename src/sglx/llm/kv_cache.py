@@ -36,9 +36,13 @@ never cost recall). e5m2 (2 mantissa bits) reaches 90.5-91.5% this way (static 1
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sglx.errors import SglxError
+
+log = logging.getLogger(__name__)
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 KV_CACHE_DTYPE_CHOICES = ("auto", *FP8_DTYPES)
@@ -162,6 +166,9 @@ class TokenKVPool:
         self.scale_multipliers: torch.Tensor | None = None
         self.k_scale: list = [1.0] * num_layers
         self.v_scale: list = [1.0] * num_layers
+        self.scales_pending = [False] * num_layers  # static scales still to be computed from the first store
+        self.calibrating = False  # any(scales_pending), kept as one flag for the per-layer store path
+        self.scale_source = "none" if self.fp8_dtype is None else "per_token" if self.per_token_scales else "one"
         if self.per_token_scales:
             self.k_rotation = kv_rotation(head_dim, device)
             self.scale_multipliers = scale_multipliers(SCALE_SEARCH_STEPS, device)
@@ -192,6 +199,51 @@ class TokenKVPool:
         self.k_rotation = self.scale_multipliers = None
         self.k_scale = [float(s) for s in k_scales]
         self.v_scale = [float(s) for s in v_scales]
+        self.scales_pending = [False] * self.num_layers
+        self.calibrating = False
+        self.scale_source = "given"
+
+    def calibrate_static_scales(self, rotate_keys: bool = True) -> None:
+        """One K and one V scale per layer, computed from the first K/V each layer stores, then frozen.
+
+        vLLM's `--calculate-kv-scales` rule (`kv_scale_calibration.first_batch_scale`), for kernels that take one
+        scale per layer. `rotate_keys`: keys stored as fp8((k @ R) / scale) with the pool's fixed rotation, read
+        by rotating queries (`rotate_query`); `get_kv` undoes it. Only before anything is stored.
+        """
+        if not self.is_fp8:
+            return
+        self.per_token_scales = False
+        self.scale_multipliers = None
+        self.k_rotation = kv_rotation(self.head_dim, self.device) if rotate_keys else None
+        self.k_scale = [1.0] * self.num_layers
+        self.v_scale = [1.0] * self.num_layers
+        self.scales_pending = [True] * self.num_layers
+        self.calibrating = True
+        self.scale_source = "calibrated_rotated" if rotate_keys else "calibrated"
+
+    def calibrate_layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Freeze layer `layer_id`'s static scales from these (unrotated) K/V if they are still pending."""
+        if not self.calibrating or not self.scales_pending[layer_id] or k.numel() == 0:
+            return
+        from sglx.llm.kv_scale_calibration import K_RANGE, V_RANGE, first_batch_scale
+
+        keys = k.float() @ self.k_rotation if self.k_rotation is not None else k
+        self.k_scale[layer_id] = first_batch_scale(keys, K_RANGE)
+        self.v_scale[layer_id] = first_batch_scale(v, V_RANGE)
+        self.scales_pending[layer_id] = False
+        self.calibrating = any(self.scales_pending)
+        if not self.calibrating:
+            log.info("fp8 KV scales calibrated from the first batch (%s): k %s, v %s", self.scale_source,
+                     [f"{x:.4g}" for x in self.k_scale], [f"{x:.4g}" for x in self.v_scale])
+
+    def describe_scales(self) -> dict[str, object]:
+        """What a reader of this pool applies: the scale source and, for static scales, the per-layer values."""
+        out: dict[str, object] = {"source": self.scale_source, "rotated_keys": self.k_rotation is not None}
+        if self.is_fp8 and not self.per_token_scales:
+            out["pending"] = any(self.scales_pending)
+            out["k_scale"] = [round(float(x), 6) for x in self.k_scale]
+            out["v_scale"] = [round(float(x), 6) for x in self.v_scale]
+        return out
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """q [..., D] in the basis the pool stores keys in (q @ R; q itself when keys are not rotated)."""
@@ -223,6 +275,10 @@ class TokenKVPool:
             self.k_scale[layer_id][loc] = k_scale
             self.v_scale[layer_id][loc] = v_scale
             return
+        if self.calibrating:
+            self.calibrate_layer(layer_id, k, v)
+        if self.k_rotation is not None:
+            k = k.float() @ self.k_rotation
         self.k_buffer[layer_id][loc] = self._encode(k, self.k_scale[layer_id])
         self.v_buffer[layer_id][loc] = self._encode(v, self.v_scale[layer_id])
 
@@ -237,6 +293,8 @@ class TokenKVPool:
             k = self.k_buffer[layer_id][loc].view(self.fp8_dtype).float() * k_scale
             v = self.v_buffer[layer_id][loc].view(self.fp8_dtype).float() * v_scale
             return (k @ self.k_rotation.t()).to(dtype), v.to(dtype)
-        k = self.decode(self.k_buffer[layer_id][loc], self.k_scale[layer_id], dtype)
         v = self.decode(self.v_buffer[layer_id][loc], self.v_scale[layer_id], dtype)
-        return k, v
+        if self.k_rotation is not None:  # static scales with rotated keys
+            k = self.decode(self.k_buffer[layer_id][loc], self.k_scale[layer_id], torch.float32)
+            return (k @ self.k_rotation.t()).to(dtype or self.dtype), v
+        return self.decode(self.k_buffer[layer_id][loc], self.k_scale[layer_id], dtype), v

@@ -139,15 +139,22 @@ class ModelRunner:
         # argmax of the latest forward's logits when a CUDA graph computed it (else None): the sampler's
         # greedy rows and bench one-batch read it instead of launching an argmax
         self.last_greedy_ids: torch.Tensor | None = None
-        if self.cuda_graph.enabled:
-            self.graph_runner = CudaGraphRunner(
-                GraphTarget(device=self.device, model=self.model, backend=self.backend,
-                            req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool),
-                self.cuda_graph)
+        # fp8 KV scales calibrated from the first prefill are baked into captured graphs: capture after that batch
+        self.graphs_wait_for_scales = self.cuda_graph.enabled and getattr(self.token_kv_pool, "calibrating", False)
+        if self.graphs_wait_for_scales:
+            log.info("CUDA graphs are captured after the first prefill batch calibrates the fp8 KV scales")
+        elif self.cuda_graph.enabled:
+            self._capture_graphs()
         else:
             log.info("CUDA graphs off: %s", self.cuda_graph.why)
 
     # ------------------------------------------------------------------ setup
+
+    def _capture_graphs(self) -> None:
+        self.graph_runner = CudaGraphRunner(
+            GraphTarget(device=self.device, model=self.model, backend=self.backend,
+                        req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool),
+            self.cuda_graph)
 
     def _backend_configs(self) -> dict[str, dict]:
         """--attention-backend-config validated against each chosen backend's declared parameters."""
@@ -219,12 +226,20 @@ class ModelRunner:
                                   self.dtype, kv_dtype, device)
         # fp8: per-token scales when every selected backend reads them (AttentionBackend.kv_scales_per_token)
         specs = [find(name, "llm", mc.attention_kind) for name in {self.selection.prefill, self.selection.decode}]  # type: ignore[arg-type]
-        per_token = all(spec is not None and getattr(spec.load(), "kv_scales_per_token", False) for spec in specs)
+        per_token = self.config.kv_cache_scales == "auto" and all(
+            spec is not None and getattr(spec.load(), "kv_scales_per_token", False) for spec in specs)
         pool = TokenKVPool(num_slots, page_size, mc.num_layers, self.local_heads[1], mc.head_dim, self.dtype,
                            kv_dtype, device, per_token_scales=per_token)
         checkpoint_scales = getattr(getattr(self, "model", None), "kv_cache_scales", None)
-        if checkpoint_scales is not None:  # fp8 KV: the checkpoint's static k_scale/v_scale win over per-token ones
+        if checkpoint_scales is not None:  # fp8 KV: the checkpoint's static k_scale/v_scale win over everything
             pool.set_static_scales(*checkpoint_scales)
+            pool.scale_source = "checkpoint"
+        elif pool.is_fp8 and not per_token and self.config.kv_cache_scales != "one":
+            # one scale per layer (FlashInfer, XQA): from the first prefill over rotated keys, then frozen
+            # (embedded model, e4m3: 85-88.5% recall vs 52-54% with 1.0; docs/benchmarks.md)
+            pool.calibrate_static_scales(rotate_keys=True)
+        if pool.is_fp8:
+            log.info("fp8 KV scales: %s", pool.describe_scales())
         return pool
 
     def _build_backend(self) -> AttentionBackend:
@@ -265,7 +280,11 @@ class ModelRunner:
             self.last_greedy_ids = self.graph_runner.last_greedy
             return logits
         self.backend.init_forward_metadata(batch)
-        return self.model(batch).float()
+        logits = self.model(batch).float()
+        if self.graphs_wait_for_scales and not self.token_kv_pool.calibrating:
+            self.graphs_wait_for_scales = False
+            self._capture_graphs()
+        return logits
 
     def release_memory(self) -> None:
         """Free weights, KV pools and backend state (the runner is unusable afterwards)."""
@@ -299,4 +318,6 @@ class ModelRunner:
             "cuda_graph": self.cuda_graph.enabled,
             "cuda_graph_max_bs": self.cuda_graph.max_bs if self.cuda_graph.enabled else None,
             "cuda_graph_why": self.cuda_graph.why,
+            "kv_cache_scales": self.token_kv_pool.describe_scales() if hasattr(self.token_kv_pool, "describe_scales")
+            else None,
         }

@@ -70,6 +70,8 @@ def _store_kv_per_token_kernel(
 def store_kv_to_pool(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:  # noqa: ANN001
     """k [T, H, D], v [T, H, Dv] -> the pool's layer at `loc`, in whatever scale mode the pool uses."""
     if not pool.per_token_scales:
+        if getattr(pool, "k_rotation", None) is not None:  # static scales, rotated keys (calibrate_static_scales)
+            k = k.float() @ pool.k_rotation
         store_kv(k, v, pool.k_buffer[layer_id], pool.v_buffer[layer_id], loc, pool.k_scale[layer_id],
                  pool.v_scale[layer_id], pool.fp8_dtype)
         return

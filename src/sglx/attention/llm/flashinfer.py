@@ -13,8 +13,11 @@ Prefill, chosen per step:
   the ragged-new + paged-prefix split that SGLang runs needs two kernels and a state merge for the same
   result, and the prefix part reads the same pages either way.
 Decode: `BatchDecodeWithPagedKVCacheWrapper`, on tensor cores when that wins (GQA groups >= 4, fp8 KV).
-fp8 KV: one K and one V scale per layer, FlashInfer's contract; a pool set up for per-token scales is
-switched to static ones when the backend is built (before anything is stored).
+fp8 KV: one K and one V scale per layer, FlashInfer's contract: the checkpoint's k_scale/v_scale, else (the
+default, `--kv-cache-scales auto`) scales computed from the first prefill batch over rotated keys, then frozen
+(`TokenKVPool.calibrate_static_scales`; queries on the paged paths are rotated the same way, `paged_query`),
+or 1.0 with `--kv-cache-scales one`. A pool set up for per-token scales is switched to calibrated static ones
+when the backend is built (before anything is stored).
 
 Plans are made once per step in `init_forward_metadata`, one per distinct layer kind (sliding window,
 soft cap, scale: Qwen2 / Mistral style models mix windowed and full layers); a kind is learned the first
@@ -85,6 +88,14 @@ def check_context(backend: str, ctx: BackendContext) -> None:
             f"this model has {ctx.head_dim} (use --attention-backend triton)")
 
 
+def paged_query(pool: Any, q: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D] for a kernel that reads keys from the pool: in the pool's key basis when it stores keys
+    rotated (`TokenKVPool.rotate_query`: (q @ R) . (k @ R) = q . k), contiguous. The ragged prefill path reads
+    this step's own (unrotated) K and takes q as it is."""
+    rotate = getattr(pool, "rotate_query", None)
+    return (rotate(q) if rotate is not None else q).contiguous()
+
+
 def layer_scales(pool: Any, layer_id: int) -> tuple[float | None, float | None]:
     """The layer's per-tensor K/V dequantization scales for fp8 pools (None: 1.0, nothing to apply)."""
     if not getattr(pool, "is_fp8", False):
@@ -151,8 +162,9 @@ class FlashInferBackend(AttentionBackend):
         pool = ctx.token_kv_pool
         if getattr(pool, "per_token_scales", False):
             # FlashInfer and XQA apply one K and one V scale per layer (vLLM's and SGLang's fp8 contract): the pool,
-            # still empty at backend construction, keeps static scales (1.0, or a checkpoint's) instead
-            pool.set_static_scales([1.0] * pool.num_layers, [1.0] * pool.num_layers)
+            # still empty at backend construction, gets the engine's default for such backends instead: static
+            # scales calibrated from the first prefill over rotated keys (--kv-cache-scales auto)
+            pool.calibrate_static_scales(rotate_keys=True)
         self.page_size = ctx.page_size
         self.kv_dtype: torch.dtype = getattr(pool, "fp8_dtype", None) or ctx.dtype
         self.v_head_dim = getattr(pool, "v_head_dim", ctx.head_dim)
@@ -295,8 +307,9 @@ class FlashInferBackend(AttentionBackend):
             k = k.reshape(k.shape[0], kv_heads, -1).to(q.dtype)
             v = v.reshape(v.shape[0], kv_heads, -1).to(q.dtype)
             return wrapper.run(q.contiguous(), k.contiguous(), v.contiguous())
-        k_scale, v_scale = layer_scales(batch.token_kv_pool, layer.layer_id)
-        return wrapper.run(q.contiguous(), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
+        pool = batch.token_kv_pool
+        k_scale, v_scale = layer_scales(pool, layer.layer_id)
+        return wrapper.run(paged_query(pool, q), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -304,8 +317,9 @@ class FlashInferBackend(AttentionBackend):
             self._store(k, v, layer, batch)
         wrapper = self._planned_wrapper(layer)
         q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim)
-        k_scale, v_scale = layer_scales(batch.token_kv_pool, layer.layer_id)
-        return wrapper.run(q.contiguous(), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
+        pool = batch.token_kv_pool
+        k_scale, v_scale = layer_scales(pool, layer.layer_id)
+        return wrapper.run(paged_query(pool, q), self.paged_kv(layer, batch), k_scale=k_scale, v_scale=v_scale)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def max_pages_per_request(self) -> int:

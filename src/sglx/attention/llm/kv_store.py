@@ -1,8 +1,9 @@
 """Writing a step's K/V into the paged pool, shared by every backend that reads the pool in place.
 
 One store path means one fp8 encoding: triton, fa3/fa4, flashinfer and trtllm_mha all write the pool with
-sglx's Triton store kernel (static or per-token scales, whichever the pool holds), and all fold the store
-into the rotary kernel the same way.
+sglx's Triton store kernel (static or per-token scales, whichever the pool holds; static scales still to be
+calibrated are computed here from the first prefill), and all fold the store into the rotary kernel the same way
+(not where keys are rotated or scales are pending: the fused kernel does neither).
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ import torch
 from sglx.attention.kernels.store_kv import store_kv_to_pool
 from sglx.attention.llm.base import LayerSpec
 from sglx.llm.forward_batch import ForwardBatch
+
+
+def calibrate_from_first_prefill(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
+                                 batch: ForwardBatch) -> None:
+    """Freeze the layer's static fp8 scales from this step's K/V when they are still pending (vLLM's
+    `--calculate-kv-scales`): only from a prefill step, never from a decode step or a CUDA-graph capture (whose
+    K/V are padding; the runner captures its graphs after the scales are frozen)."""
+    if not getattr(pool, "calibrating", False) or batch.mode.is_decode:
+        return
+    if k.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    pool.calibrate_layer(layer_id, k, v)
 
 
 def store_step_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch,
@@ -24,6 +37,7 @@ def store_step_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: For
     k = k.reshape(k.shape[0], layer.num_kv_heads, -1)
     v = v.reshape(v.shape[0], layer.num_kv_heads, -1)
     pool = batch.token_kv_pool
+    calibrate_from_first_prefill(pool, layer.layer_id, k, v, batch)
     if not (k.is_cuda or kernel_on_cpu):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         return
@@ -38,8 +52,10 @@ def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
         return False
     pool = batch.token_kv_pool
-    if getattr(pool, "per_token_scales", False):
+    if getattr(pool, "per_token_scales", False) or getattr(pool, "k_rotation", None) is not None:
         return False  # per-token fp8 scales and the key rotation are written by store_kv_to_pool
+    if getattr(pool, "calibrating", False):
+        return False  # the first prefill computes the static scales before storing (calibrate_from_first_prefill)
     from sglx.llm.kernels.rotary import apply_rotary_and_store_
 
     i = layer.layer_id

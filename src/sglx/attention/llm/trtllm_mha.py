@@ -5,7 +5,8 @@ SM90 (Hopper) and SM120, and the trtllm-gen kernel on SM100 (Blackwell datacente
 viewed in place (NHD, as in flashinfer.py) with a dense [bs, pages] block table built on the device
 (kernels/page_table.py). The kernels are compiled for fixed page sizes: this backend accepts
 --page-size 16, 32 or 64 (the seed: 64 works best) and never rewrites the user's choice; another size is a
-clear error. XQA reads fp8_e4m3 KV (not e5m2) and has no logit soft-cap.
+clear error. XQA reads fp8_e4m3 KV (not e5m2) and has no logit soft-cap; fp8 scales as in flashinfer.py (one
+per layer, first-prefill calibrated over rotated keys unless the checkpoint has them; queries rotated to match).
 Prefill (EXTEND/MIXED steps) is FlashInfer's own prefill, inherited from `FlashInferBackend`, as
 SGLang's trtllm_mha backend does (ragged without cached prefixes, paged with them).
 CUDA graphs: decode has no host-side plan, so the block table and lengths are rebuilt inside the graph
@@ -21,7 +22,7 @@ import torch
 
 from sglx.attention.kernels.page_table import build_page_table, page_table_torch
 from sglx.attention.llm.base import BackendContext, LayerSpec
-from sglx.attention.llm.flashinfer import FlashInferBackend, layer_scales, window_left
+from sglx.attention.llm.flashinfer import FlashInferBackend, layer_scales, paged_query, window_left
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -108,8 +109,9 @@ class TrtllmMHABackend(FlashInferBackend):
             self._store(k, v, layer, batch)
         meta = self.decode_meta
         assert meta is not None, "init_forward_metadata(batch) must run first"
-        q = q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim).contiguous()
-        k_scale, v_scale = layer_scales(batch.token_kv_pool, layer.layer_id)
+        pool = batch.token_kv_pool
+        q = paged_query(pool, q.reshape(q.shape[0], layer.num_q_heads, layer.head_dim))
+        k_scale, v_scale = layer_scales(pool, layer.layer_id)
         return self.decode_fn(
             query=q, kv_cache=self.paged_kv(layer, batch), workspace_buffer=self.xqa_workspace,
             block_tables=meta.block_tables, seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len,

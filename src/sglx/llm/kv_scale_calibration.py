@@ -1,0 +1,33 @@
+"""Per-layer fp8 KV scales computed from the first K/V a layer stores, then frozen (vLLM's `--calculate-kv-scales`).
+
+For backends whose kernels take one K and one V scale per layer (FlashInfer, TRT-LLM XQA) when the checkpoint
+brings none. vLLM's rule: scale = amax(first batch) / range, with range 200 for K and 100 for V (its
+`K_SCALE_CONSTANT` / `V_SCALE_CONSTANT`), i.e. the first batch's largest value lands at 200 (K) or 100 (V) of
+e4m3's 448, leaving 2.2x / 4.5x headroom for later tokens larger than the first batch's (values beyond the
+format's largest saturate). Keys are rotated first when the pool rotates them (`TokenKVPool.k_rotation`), so
+the amax is the rotated keys' amax.
+
+Why the rotation (embedded model, fp8_e4m3, torch_native over a static pool, numbers in docs/benchmarks.md):
+a per-layer scale only moves the fp8 range; e4m3's relative rounding error is the same at any scale, so the
+calibrated scale alone barely changes recall, while rotated keys average each score's rounding error over
+all channels instead of a few large ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+K_RANGE = 200.0
+"""The first batch's largest |K| is stored as this value (vLLM's K_SCALE_CONSTANT)."""
+V_RANGE = 100.0
+"""The first batch's largest |V| is stored as this value (vLLM's V_SCALE_CONSTANT)."""
+MIN_SCALE = 2.0 ** -24
+"""Floor for an all-zero first batch (a finite scale; later values then saturate, as in vLLM)."""
+
+
+def first_batch_scale(x: torch.Tensor, value_range: float) -> float:
+    """amax(|x|) / value_range as a Python float (one host sync per layer, once)."""
+    if x.numel() == 0:
+        raise ValueError("cannot calibrate a KV scale from an empty batch")
+    return max(float(x.detach().abs().amax().float()) / value_range, MIN_SCALE)
+
