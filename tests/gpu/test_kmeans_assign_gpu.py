@@ -30,8 +30,9 @@ def test_nearest_centroid_matches_float64_argmin(p, n, c, d):
 
 def test_kmeans_fused_equals_torch_assignment(monkeypatch):
     x, centroids = _points(4, 2000, 50, 128)
-    fused = kmeans_module.kmeans(x, 50, 2, init=centroids, x_scores=x.bfloat16())
     monkeypatch.setenv(kmeans_module.ASSIGN_ENV, "torch")
     plain = kmeans_module.kmeans(x, 50, 2, init=centroids, x_scores=x.bfloat16())
+    monkeypatch.setenv(kmeans_module.ASSIGN_ENV, "triton")
+    fused = kmeans_module.kmeans(x, 50, 2, init=centroids, x_scores=x.bfloat16())
     assert torch.equal(fused.labels, plain.labels)
     assert torch.allclose(fused.centroids, plain.centroids, atol=1e-5)
