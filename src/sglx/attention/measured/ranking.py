@@ -1,8 +1,9 @@
 """Rank the backends that can run by the medians recorded for this GPU class, per phase.
 
 A backend's score is its worst ratio to the fastest runnable backend over the phase's recorded shapes
-(on each shape every backend counts at its fastest measured page size, unless the user fixed one). Ties
-go to the backend measured on more shapes, then to the caller's order (SGLang's). Backends with no
+(on each shape every backend counts at its fastest measured page size, unless the user fixed one). Scores within
+2% of the best are ties (one median each, often from different runs, cannot order them); ties go to the backend
+measured on more shapes, then to the caller's order (SGLang's). Backends with no
 measurement come after every measured one, in the caller's order. Only recorded numbers are used.
 """
 
@@ -71,6 +72,12 @@ class PhaseRanking:
         return out
 
 
+# One median per backend, often from different runs, does not resolve a 2% difference; and the record holds few
+# shapes (decode only at B=64), so a near-tie should not hand the default to a backend with a known gap elsewhere
+# (fa4 has no split-KV on Hopper, so small-batch long-context decode underfills the GPU).
+TIE_MARGIN = 0.02
+
+
 def _latest(entries: list[Measurement]) -> Measurement:
     return max(entries, key=lambda e: e.date)
 
@@ -118,6 +125,10 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
         missing = tuple(s for s in shapes if (s, backend) not in best_entry)
         ranked.append(Ranked(backend, max(r.ratio for r in results), results, missing))
     ranked.sort(key=lambda r: (r.worst_ratio, -len(r.shapes), order[r.backend]))
+    if ranked:  # backends within TIE_MARGIN of the best score are a tie: broader coverage, then SGLang's order
+        cut = ranked[0].worst_ratio * (1.0 + TIE_MARGIN)
+        tied = sorted((r for r in ranked if r.worst_ratio <= cut), key=lambda r: (-len(r.shapes), order[r.backend]))
+        ranked = tied + [r for r in ranked if r.worst_ratio > cut]
     measured = {r.backend for r in ranked}
     unmeasured = tuple(b for b in sglang_order if b in runnable and b not in measured)
     basis = (f"ranked by the medians recorded for {record.gpu_class} ({'; '.join(notes)})" if ranked
