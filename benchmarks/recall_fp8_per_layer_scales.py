@@ -56,7 +56,29 @@ def with_k_search(pool, steps: int) -> None:  # noqa: ANN001
     pool.calibrate_layer = searched
 
 
-def recall(scheme: str, kv: str, prompts: list[str], answers: list[str], seed_note: str, k_search: int = 0) -> dict:
+def keep_layers_exact(pool, layers: list[int]) -> None:  # noqa: ANN001
+    """Experiment: the given layers' K/V are read back unrounded (as if those layers stayed in the model dtype)."""
+    rows = pool.k_buffer[0].shape[0]
+    exact = {i: (torch.zeros(rows, pool.num_kv_heads, pool.head_dim), torch.zeros(rows, pool.num_kv_heads,
+                                                                                  pool.v_head_dim)) for i in layers}
+    set_kv, get_kv = pool.set_kv, pool.get_kv
+
+    def exact_set(layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        set_kv(layer_id, loc, k, v)
+        if layer_id in exact:
+            exact[layer_id][0][loc] = k.reshape(k.shape[0], pool.num_kv_heads, -1).float()
+            exact[layer_id][1][loc] = v.reshape(v.shape[0], pool.num_kv_heads, -1).float()
+
+    def exact_get(layer_id: int, loc: torch.Tensor, dtype: torch.dtype | None = None):  # noqa: ANN202
+        if layer_id in exact:
+            return exact[layer_id][0][loc].to(dtype or pool.dtype), exact[layer_id][1][loc].to(dtype or pool.dtype)
+        return get_kv(layer_id, loc, dtype)
+
+    pool.set_kv, pool.get_kv = exact_set, exact_get
+
+
+def recall(scheme: str, kv: str, prompts: list[str], answers: list[str], seed_note: str, k_search: int = 0,
+           exact_layers: tuple[int, ...] = ()) -> dict:
     from sglx.llm.embedded.task import MAX_PAIRS, normalize_output
     from sglx.llm.engine import Engine
 
@@ -67,6 +89,8 @@ def recall(scheme: str, kv: str, prompts: list[str], answers: list[str], seed_no
         setup_pool(pool, scheme)
         if k_search and scheme.startswith("calibrated"):
             with_k_search(pool, k_search)
+        if exact_layers:
+            keep_layers_exact(pool, list(exact_layers))
         results = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0})
         scales = pool.describe_scales()
         dtype = str(eng.runner.dtype)
@@ -84,6 +108,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--kv", default="fp8_e4m3")
+    ap.add_argument("--exact-layers", default="", help="comma-separated layers read back unrounded (experiment: "
+                    "what keeping those layers out of fp8 would give)")
     ap.add_argument("--k-search", type=int, default=0, help="calibrated schemes: then pick the K scale among "
                     "scale * 2^(j/N), j < N, with the least squared rounding error over the first batch (experiment)")
     ap.add_argument("--k-range", type=float, default=None, help="calibrated schemes: store the first batch's "
@@ -103,7 +129,10 @@ def main() -> None:
     if args.k_range:
         kv_scale_calibration.K_RANGE = kv_scale_calibration.V_RANGE = args.k_range
     for scheme in args.schemes.split(","):
-        row = recall(scheme, args.kv, prompts, answers, str(args.seed), args.k_search)
+        exact = tuple(int(x) for x in args.exact_layers.split(",") if x)
+        row = recall(scheme, args.kv, prompts, answers, str(args.seed), args.k_search, exact)
+        if exact:
+            row["exact_layers"] = list(exact)
         if scheme.startswith("calibrated"):
             row["k_range"], row["v_range"] = kv_scale_calibration.K_RANGE, kv_scale_calibration.V_RANGE
             row["k_search_steps"] = args.k_search

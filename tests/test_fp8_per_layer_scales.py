@@ -122,9 +122,9 @@ def test_checkpoint_scales_win_over_calibration(tmp_path):
 
 
 def test_embedded_model_recall_with_calibrated_per_layer_scales():
-    """One scale per layer from the first prefill, rotated keys: 64/64 prompts -> at least 80% (measured 57/64 on
-    these, and 85-88.5% on 2 x 200 others; one scale of 1.0 gives 54%). Not the issue's 98%: only per-token scales
-    (triton, torch_native) reach that; see docs/benchmarks.md."""
+    """One scale per layer from the first prefill, rotated keys: at least 78% of these 64 prompts (measured 55/64,
+    and 85-88.5% on 2 x 200 others; one scale of 1.0 per layer: 52-54%). Not the issue's 98%: only per-token
+    scales (triton, torch_native) reach that; see docs/benchmarks.md."""
     import random
 
     from sglx.llm.embedded import default_model_path
@@ -148,4 +148,4 @@ def test_embedded_model_recall_with_calibrated_per_layer_scales():
         torch.set_num_threads(threads)
     right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
     print(f"\nfp8_e4m3 recall with calibrated per-layer scales: {right}/{len(examples)}")
-    assert right / len(examples) >= 0.80
+    assert right / len(examples) >= 0.78

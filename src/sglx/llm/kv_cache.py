@@ -6,9 +6,11 @@ padding tokens, so a padded step never corrupts a real request's KV.
 
 fp8 scales (what a reader of an fp8 pool must apply; `TokenKVPool.per_token_scales` says which):
 
-- static (the checkpoint's `k_scale`/`v_scale`, or 1.0): `pool.k_scale[layer]` / `pool.v_scale[layer]` are
-  Python floats; stored = fp8(x / scale). This is vLLM's and SGLang's per-tensor contract, so a kernel
-  that takes one scale per layer (FlashInfer) can read such a pool.
+- static (the checkpoint's `k_scale`/`v_scale`; else, for backends that take one scale per layer, computed from
+  the first prefill over rotated keys, `calibrate_static_scales`; or 1.0 with --kv-cache-scales one):
+  `pool.k_scale[layer]` / `pool.v_scale[layer]` are Python floats; stored = fp8(x / scale), keys rotated first
+  when `pool.k_rotation` is set. This is vLLM's and SGLang's per-tensor contract, so a kernel that takes one
+  scale per layer (FlashInfer) can read such a pool (rotating its queries when keys are rotated).
 - per token (the default when the checkpoint has no scales): `pool.k_scale[layer]` / `pool.v_scale[layer]`
   are float32 tensors `[rows, kv_heads]` (slot-major, like the K/V buffers: a token's heads share one
   32-byte sector, which the neighbouring head programs of a decode kernel read from L2), so slot s of
