@@ -45,12 +45,19 @@ def run_offline(out: Path, dataset: list[str], engine: list[str], nice: int, env
     return dict(json.loads(out.read_text()))
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_serving(out: Path, offline_file: Path, dataset: list[str], engine: list[str], nice: int,
-                env: dict[str, str], log: Path) -> dict[str, Any]:
+                env: dict[str, str], log: Path, server_src: str | None) -> dict[str, Any]:
     port = free_port()
+    server_env = {**env, "PYTHONPATH": server_src} if server_src else env
     with open(log, "w") as log_file:
         server = subprocess.Popen(sglx(["serve", "--port", str(port), *engine], nice), stdout=log_file,
-                                  stderr=subprocess.STDOUT, env=env)
+                                  stderr=subprocess.STDOUT, env=server_env)
         try:
             deadline = time.monotonic() + 300
             while True:
@@ -64,13 +71,18 @@ def run_serving(out: Path, offline_file: Path, dataset: list[str], engine: list[
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"sglx serve did not become healthy; see {log}")
                 time.sleep(0.3)
+            cpu_before = process_cpu_s(server.pid)
             subprocess.run(sglx(["bench", "serving", "--base-url", f"http://127.0.0.1:{port}", *dataset,
                                  "--disable-progress", "--offline-result", str(offline_file), "--output-file",
                                  str(out), "--json"], nice), check=True, env=env, stdout=subprocess.DEVNULL)
+            server_cpu = process_cpu_s(server.pid) - cpu_before  # the bench's span (client start-up included)
         finally:
             server.terminate()
             server.wait(60)
-    return dict(json.loads(out.read_text()))
+    report = dict(json.loads(out.read_text()))
+    report["server_cpu_s"] = server_cpu
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -88,6 +100,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio_per_pair": {k: spread([r["serving"][k] / r["offline"][k] for r in rs]) for k in KEYS},
             "ratio_of_medians": {k: statistics.median([r["serving"][k] for r in rs])
                                  / statistics.median([r["offline"][k] for r in rs]) for k in KEYS},
+            # CPU seconds per request: what each side costs, apart from how much of the shared host it got
+            "offline_cpu_ms_per_request": spread([r["offline"]["cpu_s"] / r["offline"]["completed"] * 1e3
+                                                  for r in rs]),
+            "server_cpu_ms_per_request": spread([r["serving"]["server_cpu_s"] / r["serving"]["completed"] * 1e3
+                                                 for r in rs]),
         }
         for lat in ("ttft", "itl", "e2e_latency"):
             row[lat] = {p: statistics.median([r["serving"][lat][p] for r in rs])
@@ -111,6 +128,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nice", type=int, default=10, help="nice level of every process (both sides alike)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    ap.add_argument("--server-src", default=None,
+                    help="PYTHONPATH of the server only (e.g. an older checkout's src/, to measure a change)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
@@ -125,15 +144,17 @@ def main() -> None:
             offline_file = args.out / f"offline_{tag}.json"
             offline = run_offline(offline_file, dataset, engine, args.nice, env)
             serving = run_serving(args.out / f"serving_{tag}.json", offline_file, dataset, engine, args.nice, env,
-                                  args.out / f"serve_{tag}.log")
+                                  args.out / f"serve_{tag}.log", args.server_src)
             ratio = serving["output_token_throughput"] / offline["output_token_throughput"]
-            print(f"{tag}: offline {offline['request_throughput']:.2f} req/s, serving "
-                  f"{serving['request_throughput']:.2f} req/s, ratio {ratio:.3f}", flush=True)
+            print(f"{tag}: offline {offline['request_throughput']:.2f} req/s ({offline['cpu_s']:.1f} cpu s), serving "
+                  f"{serving['request_throughput']:.2f} req/s ({serving['server_cpu_s']:.1f} server cpu s), "
+                  f"ratio {ratio:.3f}", flush=True)
             runs.append({"concurrency": conc, "rep": rep, "offline": offline, "serving": serving})
     machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
                **runs[0]["offline"].get("environment", {})}
     summary = {"machine": machine,
-               "engine_flags": engine, "dataset": base, "nice": args.nice, "omp_num_threads": args.threads,
+               "server_src": args.server_src, "engine_flags": engine, "dataset": base, "nice": args.nice,
+               "omp_num_threads": args.threads,
                "engine": runs[0]["offline"].get("engine"), "by_concurrency": summarize(runs)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["by_concurrency"], indent=1))
