@@ -127,7 +127,9 @@ def recall_rows(n: int, device: str, backends: list[str]) -> list[dict]:
             start = time.perf_counter()
             classes[backend].kv_scales_per_token = not kv.endswith("static")
             try:
-                with Engine(attention_backend=backend, kv_cache_dtype=kv.split()[0], device=device) as eng:
+                scales = "one" if kv.endswith("static") else "auto"  # static: the old path, one scale of 1.0 per layer
+                with Engine(attention_backend=backend, kv_cache_dtype=kv.split()[0], kv_cache_scales=scales,
+                            device=device) as eng:
                     row["dtype"] = str(eng.runner.dtype)
                     row["per_token_scales"] = bool(getattr(eng.runner.token_kv_pool, "per_token_scales", False))
                     results = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0})

@@ -165,6 +165,7 @@ def test_backends_that_read_one_scale_per_layer_get_a_static_pool(monkeypatch):
         assert eng.runner.token_kv_pool.per_token_scales
     monkeypatch.setattr(TorchNativeBackend, "kv_scales_per_token", False)
     with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", max_total_tokens=256) as eng:
-        pool = eng.runner.token_kv_pool
-        assert not pool.per_token_scales and pool.k_scale == [1.0] * pool.num_layers
+        pool = eng.runner.token_kv_pool  # static scales from the first prefill over rotated keys (--kv-cache-scales)
+        assert not pool.per_token_scales and pool.calibrating and pool.k_rotation is not None
         assert eng.generate("k3=abcde; ? k3=", {"max_new_tokens": 6, "temperature": 0.0})["text"]
+        assert not pool.calibrating and all(s != 1.0 for s in pool.k_scale)
