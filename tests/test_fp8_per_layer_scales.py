@@ -149,3 +149,20 @@ def test_embedded_model_recall_with_calibrated_per_layer_scales():
     right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
     print(f"\nfp8_e4m3 recall with calibrated per-layer scales: {right}/{len(examples)}")
     assert right / len(examples) >= 0.78
+
+
+def test_server_warm_up_leaves_pending_scales_to_the_first_real_prefill():
+    """`sglx serve`'s warm-up request has synthetic tokens: it must not become the calibration batch."""
+    from sglx.llm.engine import Engine
+    from sglx.server.runner import warm_up
+
+    with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate",
+                max_total_tokens=256) as eng:
+        warm_up(eng)
+        assert eng.runner.token_kv_pool.calibrating
+        assert eng.generate("k3=abcde; ? k3=", {"max_new_tokens": 6, "temperature": 0.0})["text"] == "abcde"
+        assert not eng.runner.token_kv_pool.calibrating
+    with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", kv_cache_scales="one",
+                max_total_tokens=256) as eng:
+        warm_up(eng)  # nothing pending: the warm-up runs (and is flushed)
+        assert eng.runner.token_kv_pool.scale_source == "one"

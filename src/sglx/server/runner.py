@@ -66,7 +66,11 @@ def _graceful_server_class() -> Any:
 
 def warm_up(engine: Any) -> None:
     """One small request before the port opens, so the first client does not wait for kernel compilation
-    (Triton JIT, cuDNN plans); its prefix is flushed so the KV pool starts empty."""
+    (Triton JIT, cuDNN plans); its prefix is flushed so the KV pool starts empty. Skipped while fp8 KV scales
+    wait for the first prefill (--kv-cache-scales calibrate): its synthetic tokens would set them."""
+    if (engine.info.get("kv_cache_scales") or {}).get("pending"):
+        log.info("warm-up skipped: the fp8 KV scales are computed from the first real prefill")
+        return
     vocab = engine.model_config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(32)]
     engine.generate(input_ids=[ids, ids[:9]], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
