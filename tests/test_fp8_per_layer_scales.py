@@ -166,3 +166,33 @@ def test_server_warm_up_leaves_pending_scales_to_the_first_real_prefill():
                 max_total_tokens=256) as eng:
         warm_up(eng)  # nothing pending: the warm-up runs (and is flushed)
         assert eng.runner.token_kv_pool.scale_source == "one"
+
+
+def test_cuda_graphs_are_captured_after_the_calibrating_prefill(monkeypatch):
+    """Captured graphs bake the scales in: with scales pending the runner captures after the first prefill, once
+    (CPU: the graph plan and runner are stand-ins that record when they are built)."""
+    import sglx.llm.model_runner as mr
+    from sglx.llm.cuda_graph_runner import CudaGraphPlan
+    from sglx.llm.engine import Engine
+
+    built = []
+
+    class RecordingRunner:
+        replays = 0
+
+        def __init__(self, target, plan) -> None:  # noqa: ANN001
+            built.append(target.token_kv_pool.calibrating)
+
+        def can_run(self, batch) -> bool:  # noqa: ANN001
+            return False  # every step stays eager on the CPU
+
+    monkeypatch.setattr(mr, "cuda_graph_plan", lambda *a, **k: CudaGraphPlan(True, 4, (1, 2, 4), "stand-in"))
+    monkeypatch.setattr(mr, "CudaGraphRunner", RecordingRunner)
+    for scales, at_start in (("calibrate", []), ("one", [False])):
+        built.clear()
+        with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", kv_cache_scales=scales,
+                    max_total_tokens=256) as eng:
+            assert built == at_start and (eng.runner.graph_runner is None) == (scales == "calibrate")
+            eng.generate(["k3=abcde; ? k3=", "k1=xyzwv; ? k1="], {"max_new_tokens": 3, "temperature": 0.0})
+            assert built == [False]  # once, and never while the scales were still pending
+            assert isinstance(eng.runner.graph_runner, RecordingRunner)
