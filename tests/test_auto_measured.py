@@ -83,6 +83,16 @@ def _recorded_shapes() -> list[tuple[str, str, str, int, str]]:
                    for e in packaged()["entries"]})
 
 
+def accurate_fp8(kind: str, times: dict[str, float], kv: str) -> dict[str, float]:
+    """With fp8 KV, auto ranks only the backends that read per-token scales and page natively (registry), where
+    any runs: the per-layer-scale ones lose recall (85-88.5% against 98.5%), so 5% is measured among the rest."""
+    if not kv.startswith("fp8"):
+        return times
+    keep = {n: ms for n, ms in times.items() if (spec := find(n, "llm", kind)) is not None
+            and spec.features.fp8_per_token_scales and spec.features.native_paging}
+    return keep or times
+
+
 @pytest.mark.parametrize(("kind", "phase", "shape", "page", "kv"), _recorded_shapes())
 def test_auto_within_5pct_of_the_fastest_recorded_on_each_shape(kind, phase, shape, page, kv) -> None:  # type: ignore[no-untyped-def]
     """Asked at a recorded shape's page size and KV dtype, auto lands on a backend measured there, within 5% of
@@ -91,7 +101,7 @@ def test_auto_within_5pct_of_the_fastest_recorded_on_each_shape(kind, phase, sha
     sel = select_llm(snap, MLA if kind == "mla" else MHA, LLMBackendArgs(page_size=page, kv_cache_dtype=kv))
     times = {e["backend"]: e["median_ms"] for e in sorted(entries_for(kind, phase, shape, kv, page),
                                                           key=lambda e: e["date"])}  # newest run of a backend wins
-    runnable = {name: ms for name, ms in times.items() if runs(snap, kind, name, page, kv)}
+    runnable = accurate_fp8(kind, {name: ms for name, ms in times.items() if runs(snap, kind, name, page, kv)}, kv)
     pick = picked(sel, phase)
     assert pick in runnable, (pick, runnable)
     assert runnable[pick] <= 1.05 * min(runnable.values()), (pick, runnable)
@@ -99,7 +109,7 @@ def test_auto_within_5pct_of_the_fastest_recorded_on_each_shape(kind, phase, sha
 
 
 # kv cache dtype -> (prefill, decode, page size) with no page size given, on the lent H100's packages
-DEFAULT_PICKS = {"auto": ("fa4", "flashinfer", 128), "fp8_e4m3": ("triton", "trtllm_mha", 64)}
+DEFAULT_PICKS = {"auto": ("fa4", "flashinfer", 128), "fp8_e4m3": ("triton", "triton", 1)}
 
 
 @pytest.mark.parametrize("kv", list(DEFAULT_PICKS))
@@ -118,6 +128,7 @@ def test_auto_without_a_page_size(kv: str) -> None:
             for e in rows:
                 if runs(snap, "mha", e["backend"], None, kv):
                     best[e["backend"]] = min(best.get(e["backend"], e["median_ms"]), e["median_ms"])
+            best = accurate_fp8("mha", best, kv)
             pick = picked(sel, phase)
             if pick not in best:
                 gaps.add((phase, shape, pick))
@@ -225,3 +236,14 @@ def test_doctor_explains_the_pick() -> None:
     assert "flashinfer: worst 1.011x" in text and "bench_flashinfer_trtllm_decode_h100.json" in text
     assert "not measured on B4 H32/32 D128 4096+512 causal" in text
     assert "triton: worst 2.125x of the fastest; B64 H128 latent 512+64 ctx 4096 page 1: 0.3299 ms" in text
+
+
+def test_fp8_auto_keeps_accuracy_and_says_what_it_costs() -> None:
+    """trtllm_mha's fp8 decode is the fastest recorded (0.213 ms vs triton 0.230 at page 64) but reads one scale
+    per layer; auto takes triton (per-token scales) and says why; naming trtllm_mha still gets it."""
+    sel = select_llm(h100(), MHA, LLMBackendArgs(kv_cache_dtype="fp8_e4m3", page_size=64))
+    assert (sel.prefill, sel.decode) == ("triton", "triton")
+    assert "per-token scales first" in sel.why or any("per-token scales first" in r.basis for r in sel.measured)
+    named = select_llm(h100(), MHA, LLMBackendArgs(kv_cache_dtype="fp8_e4m3", page_size=64,
+                                                   decode_attention_backend="trtllm_mha"))
+    assert named.decode == "trtllm_mha"

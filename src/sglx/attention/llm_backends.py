@@ -79,7 +79,7 @@ register(BackendSpec(
     summary="Portable Triton kernels (split-KV decode, extend); runs on any CUDA or ROCm GPU.",
     requires=(OnPlatform(("cuda", "rocm", "xpu")), Package(("triton",))),
     features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=True, multimodal=False, cuda_graph=True),
+                         sliding_window=True, multimodal=False, cuda_graph=True, fp8_per_token_scales=True),
     factory="sglx.attention.llm.triton:TritonBackend",
     notes="sglx's own kernels: any page size through kv_indices, fp8 KV with per-token scales (or a checkpoint's "
           "per-layer k_scale/v_scale), logit soft-cap; "
@@ -91,7 +91,7 @@ register(BackendSpec(
     summary="PyTorch scaled_dot_product_attention over KV gathered from the paged pool; runs everywhere.",
     requires=(),
     features=LLMFeatures(native_paging=False, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=True, multimodal=False, cuda_graph=False),
+                         sliding_window=True, multimodal=False, cuda_graph=False, fp8_per_token_scales=True),
     factory="sglx.attention.llm.torch_native:TorchNativeBackend",
     notes="Reference backend: correct on every device and page size, not tuned for speed; no CUDA graphs.",
 ))

@@ -51,6 +51,8 @@ class LLMFeatures:
     chunked_prefix_cache: bool = False
     page_sizes: PageSizeRule | None = None  # None: any page size (emulated when not native)
     cuda_graph: bool = False
+    # fp8 KV read with a scale per token and head (what keeps accuracy), not one per layer; auto prefers these
+    fp8_per_token_scales: bool = False
     # Native page sizes the matrix lists for a kernel that can still emulate others (shown, not enforced).
     native_sizes_note: str | None = None
 

@@ -204,12 +204,36 @@ def _page_conflict(spec: BackendSpec, fixed: tuple[tuple[str, BackendSpec], ...]
     return reasons
 
 
+FP8_ACCURACY_FIRST = ("fp8 KV: auto puts backends with per-token scales first (embedded-model recall 98.5% against "
+                      "85-88.5% with one scale per layer; docs/benchmarks.md)")
+
+
+def _per_token_scales(name: str, kind: Kind) -> bool:
+    """Reads fp8 KV with per-token scales and pages natively (torch_native's gathers are a reference, never a
+    speed pick on a GPU, so the preference does not hand it the default)."""
+    spec = find(name, "llm", kind)
+    features = spec.features if spec is not None else None
+    return bool(getattr(features, "fp8_per_token_scales", False) and getattr(features, "native_paging", False))
+
+
+def _accuracy_first(names: list[str], req: AttentionRequest) -> list[str]:
+    """With fp8 KV, the backends that read per-token scales go first (stable): auto never trades accuracy for
+    speed; a user who wants the per-layer-scale kernels names them."""
+    if not str(req.kv_cache_dtype).startswith("fp8"):
+        return names
+    return sorted(names, key=lambda n: not _per_token_scales(n, req.kind))
+
+
 def _auto_llm(
     snap: PlatformSnapshot, req: AttentionRequest, fixed: tuple[tuple[str, BackendSpec], ...] = ()
 ) -> tuple[str, str, tuple[Considered, ...]]:
     """First auto candidate that runs here (and agrees on page size with a phase the user fixed)."""
     considered: list[Considered] = []
-    for name, rule in llm_auto_candidates(snap, req.kind):
+    rules = dict(llm_auto_candidates(snap, req.kind))
+    ordered = _accuracy_first(list(rules), req)
+    if ordered != list(rules):
+        rules = {n: f"{rules[n]}; {FP8_ACCURACY_FIRST}" for n in ordered}
+    for name, rule in rules.items():
         spec = find(name, "llm", req.kind)
         if spec is None:
             continue
@@ -253,7 +277,12 @@ def _auto_measured(
             considered[name] = Considered(name, not merged, merged)
             if not reasons:
                 runs_here.append(name)
-        ranking = rank_phase(record, req.kind, phase, req.kv_cache_dtype, req.page_size, runs_here, sglang)
+        accurate = [n for n in runs_here if _per_token_scales(n, req.kind)]
+        if str(req.kv_cache_dtype).startswith("fp8") and accurate:
+            ranking = rank_phase(record, req.kind, phase, req.kv_cache_dtype, req.page_size, accurate, sglang)
+            ranking = replace(ranking, basis=f"{ranking.basis}; {FP8_ACCURACY_FIRST}")
+        else:
+            ranking = rank_phase(record, req.kind, phase, req.kv_cache_dtype, req.page_size, runs_here, sglang)
         if ranking.pick is None:
             raise _nothing_runs(snap, req, list(considered.values()))
         picks[phase] = ranking.pick
