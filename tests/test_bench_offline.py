@@ -102,6 +102,10 @@ def test_ratio_and_refusals() -> None:
         vs_offline(serving, _report(1.0, failed=2))
     with pytest.raises(SglxError, match="lacks prompts_sha256"):
         vs_offline(serving, {"request_throughput": 1.0})
+    with pytest.raises(SglxError, match="--endpoint chat"):
+        vs_offline({**serving, "config": {"endpoint": "chat"}}, offline)
+    with pytest.raises(SglxError, match="--ignore-eos"):
+        vs_offline({**serving, "config": {"ignore_eos": False}}, {**offline, "config": {"ignore_eos": True}})
 
 
 def test_percentiles_against_nearest_rank() -> None:

@@ -24,6 +24,14 @@ def vs_offline(report: dict[str, Any], offline: dict[str, Any], source: str = ""
     if offline["prompts_sha256"] != report.get("prompts_sha256"):
         raise SglxError(f"{name} was measured on other prompts (prompt fingerprints differ): run both benches with "
                         "the same --num-prompts, --random-* lengths, --length-dist, --prompt-kind, --seed and model")
+    cfg, off_cfg = report.get("config", {}), offline.get("config", {})
+    if cfg.get("endpoint", "completions") != "completions":
+        raise SglxError(f"--endpoint {cfg['endpoint']}: the offline engine runs the prompts as completions; compare "
+                        "a --endpoint completions run (the chat template changes the requests)")
+    differ = [f"--{k.replace('_', '-')}" for k in ("ignore_eos", "temperature")
+              if k in cfg and k in off_cfg and cfg[k] != off_cfg[k]]
+    if differ:
+        raise SglxError(f"{name} used other {', '.join(differ)}: give both benches the same values")
     if offline.get("failed"):
         raise SglxError(f"{name} has {offline['failed']} failed requests; its throughput is not comparable")
     ratios = {k: (report[k] / offline[k] if offline[k] else 0.0) for k in THROUGHPUT_KEYS}
