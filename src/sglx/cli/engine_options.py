@@ -141,6 +141,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("disable_overlap_schedule", "--disable-overlap-schedule", bool, False,
                "Schedule each step only after reading the previous step's sampled tokens (by default the host "
                "schedules and launches step n+1 while the device runs step n; outputs are the same)."),
+    EngineFlag("stream_interval", "--stream-interval", int, 1,
+               "Streamed requests get a chunk every this many tokens (the first token at once, the last ones "
+               "when the request ends); larger values cost the server less per token, as SGLang's flag."),
     EngineFlag("sp_size", "--sp-size", int | None, None,
                "Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on "
                "CUDA with NCCL, gloo on CPU) = --ulysses-degree x --ring-degree. Default 1."),

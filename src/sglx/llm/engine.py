@@ -65,7 +65,8 @@ class Engine:
                             max_prefill_tokens=self.config.max_prefill_tokens,
                             chunked_prefill_size=self.config.chunked_prefill,
                             enable_mixed_chunk=self.config.enable_mixed_chunk,
-                            enable_overlap=not self.config.disable_overlap_schedule),
+                            enable_overlap=not self.config.disable_overlap_schedule,
+                            stream_interval=self.config.stream_interval),
             disable_radix_cache=self.config.disable_radix_cache,
         )
         self._counter = itertools.count()

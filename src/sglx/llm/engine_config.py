@@ -52,6 +52,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph (None: 160)
     disable_cuda_graph: bool = False  # run every decode step eagerly
     disable_overlap_schedule: bool = False  # read each step's tokens before scheduling the next (sglx.llm.overlap)
+    stream_interval: int = 1  # streamed requests get a chunk every this many tokens (SGLang's --stream-interval)
     sp_size: int | None = None  # diffusion: sequence-parallel ranks = ulysses x ring (sglx.diffusion.parallel)
     ulysses_degree: int | None = None  # diffusion: ranks splitting attention heads (all-to-all)
     ring_degree: int | None = None  # diffusion: ranks passing key/value blocks around a ring
@@ -81,7 +82,8 @@ class EngineConfig:
                                  ("--ulysses-degree", self.ulysses_degree, 1),
                                  ("--ring-degree", self.ring_degree, 1),
                                  ("--tp-size", self.tp_size, 1),
-                                 ("--dp-size", self.dp_size, 1)):
+                                 ("--dp-size", self.dp_size, 1),
+                                 ("--stream-interval", self.stream_interval, 1)):
             if value is not None and value < low:
                 problems.append(f"{flag} {value}: must be an integer >= {low}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0 or (

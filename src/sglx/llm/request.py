@@ -176,6 +176,10 @@ class Request:
     def has_new_output(self) -> bool:
         return len(self.output_ids) > self._sent_ids
 
+    @property
+    def unsent_tokens(self) -> int:
+        return len(self.output_ids) - self._sent_ids
+
     def take_chunk(self) -> OutputChunk:
         """New text/tokens since the previous chunk (text that could still become a stop string is held back)."""
         end = len(self.text) - self._held_back()

@@ -57,6 +57,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     enable_overlap: bool = True  # launch step n+1 before reading step n's tokens (--disable-overlap-schedule)
+    stream_interval: int = 1  # a streamed request's chunk every this many tokens (first token and end at once)
 
 
 @dataclass
@@ -235,7 +236,8 @@ class Scheduler:
     def _emit(self, req: Request) -> None:
         if req.on_output is None:
             return
-        if req.finished or (req.stream and req.has_new_output):
+        if req.finished or (req.stream and req.has_new_output and (
+                req.unsent_tokens >= self.config.stream_interval or req.unsent_tokens == len(req.output_ids))):
             try:
                 req.on_output(req.take_chunk())
             except Exception:  # a caller's broken callback (e.g. a closed event loop) ends only its request
