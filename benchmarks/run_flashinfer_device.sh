@@ -16,7 +16,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl 2>&1 | tail -2
 export PYTHONPATH=src:tests:/tmp/site
 TEST_LIMIT=${TEST_LIMIT:-270}
-GROUPS_K=${GROUPS_K:-"float64|cuda_graph|engine|doctor"}  # -k groups (the module name matches "flashinfer")
+GROUPS_K=${GROUPS_K:-"float64|cuda_graph|engine|doctor|recall"}  # -k groups (the module name matches "flashinfer");
+# "recall": test_embedded_model_recall_with_calibrated_fp8_scales matches none of the other four
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
