@@ -37,7 +37,7 @@ set -u
 STAGE=${1:-help}
 ROOT=/tmp/sglx_next
 FINAL=${OUT:-/tmp/out}
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a COLUMNS=160  # rich tables 160 wide in the logs
 LIMIT_BYTES=67108864  # 64 MiB: working tree + carried paths, per call
 
 # ---- what each stage runs (also what `check` validates) --------------------------------------------------------
@@ -299,13 +299,13 @@ stage4() {  # FA4 (a default prefill when installed) after the shared K/V store;
   local bench="python3 -m sglx bench attention $S4_BACKENDS --warmup-ms 25 --rep-ms 150"
   # shellcheck disable=SC2086
   if have 60; then step attention_prefill 170 $bench $S4_PREFILL --output "$W/attention_prefill.json"
-    tail -30 "$W/attention_prefill.txt" | cut -c1-200 >> "$W/summary.txt"; else skip attention_prefill 60; fi
+    tail -18 "$W/attention_prefill.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_prefill 60; fi
   # shellcheck disable=SC2086
   if have 40; then step attention_decode_b1 70 $bench $S4_DECODE_B1 --output "$W/attention_decode_b1.json"
-    tail -30 "$W/attention_decode_b1.txt" | cut -c1-200 >> "$W/summary.txt"; else skip attention_decode_b1 40; fi
+    tail -18 "$W/attention_decode_b1.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b1 40; fi
   # shellcheck disable=SC2086
   if have 40; then step attention_decode_b64 80 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
-    tail -30 "$W/attention_decode_b64.txt" | cut -c1-200 >> "$W/summary.txt"; else skip attention_decode_b64 40; fi
+    tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 40; fi
   if have 20; then timeout "$(lim 30)" python3 -m sglx doctor --family llm --json > "$W/doctor_llm_all.json" \
     2> "$W/doctor_llm_all_stderr.txt"; note "doctor --family llm --json (auto picks, everything installed): rc=$?"; fi
 }
