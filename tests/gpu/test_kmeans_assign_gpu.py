@@ -9,7 +9,7 @@ import torch
 from sglx.attention.diffusion.sparse import kmeans as kmeans_module
 from sglx.attention.kernels.kmeans_assign import nearest_centroid
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _points(p: int, n: int, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
