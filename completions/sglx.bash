@@ -5,7 +5,7 @@
 _sglx_subcommands() {
     case "$1" in
         'sglx') echo 'doctor generate serve bench' ;;
-        'sglx bench') echo 'serving attention one-batch diffusion' ;;
+        'sglx bench') echo 'serving offline-throughput attention one-batch diffusion' ;;
         *) ;;
     esac
 }
@@ -15,12 +15,13 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench') echo '--help' ;;
-        'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --help' ;;
+        'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --offline-result --help' ;;
+        'sglx bench offline-throughput') echo '--num-prompts --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --seed --skip-warmup --json --output-file --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
-        'sglx bench one-batch') echo '--batch-size --input-len --output-len --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx bench one-batch') echo '--batch-size --input-len --output-len --prefill-runs --prefill-floor --no-prefill-floor --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --attention-backend --attention-backend-config --canvas --heads --head-dim --text-tokens --layer --no-anchors --json --output --help' ;;
         *) ;;
     esac
@@ -68,6 +69,7 @@ _sglx_nargs() {
         'sglx generate --attention-backend-config') echo '1' ;;
         'sglx generate --page-size') echo '1' ;;
         'sglx generate --kv-cache-dtype') echo '1' ;;
+        'sglx generate --kv-cache-scales') echo '1' ;;
         'sglx generate --mem-fraction-static') echo '1' ;;
         'sglx generate --max-total-tokens') echo '1' ;;
         'sglx generate --max-running-requests') echo '1' ;;
@@ -76,6 +78,7 @@ _sglx_nargs() {
         'sglx generate --context-length') echo '1' ;;
         'sglx generate --random-seed') echo '1' ;;
         'sglx generate --cuda-graph-max-bs') echo '1' ;;
+        'sglx generate --stream-interval') echo '1' ;;
         'sglx generate --sp-size') echo '1' ;;
         'sglx generate --ulysses-degree') echo '1' ;;
         'sglx generate --ring-degree') echo '1' ;;
@@ -103,6 +106,7 @@ _sglx_nargs() {
         'sglx serve --attention-backend-config') echo '1' ;;
         'sglx serve --page-size') echo '1' ;;
         'sglx serve --kv-cache-dtype') echo '1' ;;
+        'sglx serve --kv-cache-scales') echo '1' ;;
         'sglx serve --mem-fraction-static') echo '1' ;;
         'sglx serve --max-total-tokens') echo '1' ;;
         'sglx serve --max-running-requests') echo '1' ;;
@@ -111,6 +115,7 @@ _sglx_nargs() {
         'sglx serve --context-length') echo '1' ;;
         'sglx serve --random-seed') echo '1' ;;
         'sglx serve --cuda-graph-max-bs') echo '1' ;;
+        'sglx serve --stream-interval') echo '1' ;;
         'sglx serve --sp-size') echo '1' ;;
         'sglx serve --ulysses-degree') echo '1' ;;
         'sglx serve --ring-degree') echo '1' ;;
@@ -135,6 +140,47 @@ _sglx_nargs() {
         'sglx bench serving --api-key') echo '1' ;;
         'sglx bench serving --seed') echo '1' ;;
         'sglx bench serving --output-file') echo '1' ;;
+        'sglx bench serving --offline-result') echo '1' ;;
+        'sglx bench offline-throughput --num-prompts') echo '1' ;;
+        'sglx bench offline-throughput --max-concurrency') echo '1' ;;
+        'sglx bench offline-throughput --random-input-len') echo '1' ;;
+        'sglx bench offline-throughput --random-output-len') echo '1' ;;
+        'sglx bench offline-throughput --random-range-ratio') echo '1' ;;
+        'sglx bench offline-throughput --length-dist') echo '1' ;;
+        'sglx bench offline-throughput --prompt-kind') echo '1' ;;
+        'sglx bench offline-throughput --tokenizer') echo '1' ;;
+        'sglx bench offline-throughput --vocab-size') echo '1' ;;
+        'sglx bench offline-throughput --temperature') echo '1' ;;
+        'sglx bench offline-throughput --seed') echo '1' ;;
+        'sglx bench offline-throughput --output-file') echo '1' ;;
+        'sglx bench offline-throughput --model-path') echo '1' ;;
+        'sglx bench offline-throughput --tokenizer-path') echo '1' ;;
+        'sglx bench offline-throughput --load-format') echo '1' ;;
+        'sglx bench offline-throughput --dtype') echo '1' ;;
+        'sglx bench offline-throughput --device') echo '1' ;;
+        'sglx bench offline-throughput --attention-backend') echo '1' ;;
+        'sglx bench offline-throughput --prefill-attention-backend') echo '1' ;;
+        'sglx bench offline-throughput --decode-attention-backend') echo '1' ;;
+        'sglx bench offline-throughput --attention-backend-config') echo '1' ;;
+        'sglx bench offline-throughput --page-size') echo '1' ;;
+        'sglx bench offline-throughput --kv-cache-dtype') echo '1' ;;
+        'sglx bench offline-throughput --kv-cache-scales') echo '1' ;;
+        'sglx bench offline-throughput --mem-fraction-static') echo '1' ;;
+        'sglx bench offline-throughput --max-total-tokens') echo '1' ;;
+        'sglx bench offline-throughput --max-running-requests') echo '1' ;;
+        'sglx bench offline-throughput --chunked-prefill-size') echo '1' ;;
+        'sglx bench offline-throughput --max-prefill-tokens') echo '1' ;;
+        'sglx bench offline-throughput --context-length') echo '1' ;;
+        'sglx bench offline-throughput --random-seed') echo '1' ;;
+        'sglx bench offline-throughput --cuda-graph-max-bs') echo '1' ;;
+        'sglx bench offline-throughput --stream-interval') echo '1' ;;
+        'sglx bench offline-throughput --sp-size') echo '1' ;;
+        'sglx bench offline-throughput --ulysses-degree') echo '1' ;;
+        'sglx bench offline-throughput --ring-degree') echo '1' ;;
+        'sglx bench offline-throughput --tp-size') echo '1' ;;
+        'sglx bench offline-throughput --tp') echo '1' ;;
+        'sglx bench offline-throughput --dp-size') echo '1' ;;
+        'sglx bench offline-throughput --dp') echo '1' ;;
         'sglx bench attention --backend') echo '1' ;;
         'sglx bench attention --phase') echo '1' ;;
         'sglx bench attention --batch-size') echo '1' ;;
@@ -154,6 +200,7 @@ _sglx_nargs() {
         'sglx bench one-batch --batch-size') echo '1' ;;
         'sglx bench one-batch --input-len') echo '1' ;;
         'sglx bench one-batch --output-len') echo '1' ;;
+        'sglx bench one-batch --prefill-runs') echo '1' ;;
         'sglx bench one-batch --output') echo '1' ;;
         'sglx bench one-batch --model-path') echo '1' ;;
         'sglx bench one-batch --tokenizer-path') echo '1' ;;
@@ -166,6 +213,7 @@ _sglx_nargs() {
         'sglx bench one-batch --attention-backend-config') echo '1' ;;
         'sglx bench one-batch --page-size') echo '1' ;;
         'sglx bench one-batch --kv-cache-dtype') echo '1' ;;
+        'sglx bench one-batch --kv-cache-scales') echo '1' ;;
         'sglx bench one-batch --mem-fraction-static') echo '1' ;;
         'sglx bench one-batch --max-total-tokens') echo '1' ;;
         'sglx bench one-batch --max-running-requests') echo '1' ;;
@@ -174,6 +222,7 @@ _sglx_nargs() {
         'sglx bench one-batch --context-length') echo '1' ;;
         'sglx bench one-batch --random-seed') echo '1' ;;
         'sglx bench one-batch --cuda-graph-max-bs') echo '1' ;;
+        'sglx bench one-batch --stream-interval') echo '1' ;;
         'sglx bench one-batch --sp-size') echo '1' ;;
         'sglx bench one-batch --ulysses-degree') echo '1' ;;
         'sglx bench one-batch --ring-degree') echo '1' ;;
@@ -218,6 +267,7 @@ _sglx_values() {
         'sglx generate --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx generate --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx generate --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx generate --kv-cache-scales') echo 'auto calibrate one' ;;
         'sglx serve --log-level') echo 'critical error warning info debug' ;;
         'sglx serve --backend') echo 'sglx diffusers' ;;
         'sglx serve --load-format') echo 'auto safetensors dummy' ;;
@@ -227,11 +277,25 @@ _sglx_values() {
         'sglx serve --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx serve --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx serve --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx serve --kv-cache-scales') echo 'auto calibrate one' ;;
         'sglx bench serving --endpoint') echo 'completions chat' ;;
         'sglx bench serving --length-dist') echo 'uniform normal' ;;
         'sglx bench serving --prompt-kind') echo 'auto token-ids text' ;;
         'sglx bench serving --tokenizer') echo '@file' ;;
         'sglx bench serving --output-file') echo '@file' ;;
+        'sglx bench serving --offline-result') echo '@file' ;;
+        'sglx bench offline-throughput --length-dist') echo 'uniform normal' ;;
+        'sglx bench offline-throughput --prompt-kind') echo 'auto token-ids text' ;;
+        'sglx bench offline-throughput --tokenizer') echo '@file' ;;
+        'sglx bench offline-throughput --output-file') echo '@file' ;;
+        'sglx bench offline-throughput --load-format') echo 'auto safetensors dummy' ;;
+        'sglx bench offline-throughput --dtype') echo 'auto bfloat16 float16 float32' ;;
+        'sglx bench offline-throughput --device') echo 'auto cpu cuda' ;;
+        'sglx bench offline-throughput --attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers' ;;
+        'sglx bench offline-throughput --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench offline-throughput --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
+        'sglx bench offline-throughput --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx bench offline-throughput --kv-cache-scales') echo 'auto calibrate one' ;;
         'sglx bench attention --backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx bench attention --phase') echo 'decode prefill' ;;
         'sglx bench attention --dtype') echo 'bfloat16 float16 float32' ;;
@@ -246,6 +310,7 @@ _sglx_values() {
         'sglx bench one-batch --prefill-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx bench one-batch --decode-attention-backend') echo 'flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla' ;;
         'sglx bench one-batch --kv-cache-dtype') echo 'auto fp8_e4m3 fp8_e5m2' ;;
+        'sglx bench one-batch --kv-cache-scales') echo 'auto calibrate one' ;;
         'sglx bench diffusion --backend') echo 'fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn' ;;
         'sglx bench diffusion --shape') echo 'wan-1.3b wan-14b-720p flux-1024 tiny-video tiny-joint' ;;
         'sglx bench diffusion --step-backend') echo 'fa fa3 fa4 torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn aiter sparse_video_gen_2_attn' ;;

@@ -85,7 +85,8 @@ _sglx_generate() {
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
-        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -98,6 +99,7 @@ _sglx_generate() {
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
+        '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
@@ -129,7 +131,8 @@ _sglx_serve() {
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
-        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -142,6 +145,7 @@ _sglx_serve() {
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
+        '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
@@ -163,9 +167,10 @@ _sglx_bench() {
         command)
             local -a commands
             commands=(
-                'serving:Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, median,...'
+                'serving:Load-test a serving endpoint: throughput, TTFT, inter-token and end-to-end latency (mean, p50,...'
+                'offline-throughput:The engine'\''s throughput without a server, on the prompts `sglx bench serving` sends with the same...'
                 'attention:Check, then time, LLM attention backends per phase and shape against SDPA (cuDNN) and FlashInfer.'
-                'one-batch:Latency of one static batch without a server: prefill, per-step decode and the memory-roofline...'
+                'one-batch:Latency of one static batch without a server: prefill against its compute floor (GEMMs +...'
                 'diffusion:DiT attention at Wan/FLUX shapes vs cuDNN SDPA and FA4, and one dummy Wan2.1-1.3B step vs diffusers.'
             )
             _describe -t commands 'sglx bench command' commands && ret=0
@@ -174,6 +179,7 @@ _sglx_bench() {
             curcontext="${curcontext%:*:*}:sglx-bench-${words[1]}:"
             case ${words[1]} in
                 'serving') _sglx_bench_serving ;;
+                'offline-throughput') _sglx_bench_offline_throughput ;;
                 'attention') _sglx_bench_attention ;;
                 'one-batch') _sglx_bench_one_batch ;;
                 'diffusion') _sglx_bench_diffusion ;;
@@ -207,6 +213,60 @@ _sglx_bench_serving() {
         '--json[Print the report as JSON instead of a table.]' \
         '--output-file=[Also write the JSON report here.]:output-file:_files' \
         '--disable-progress[No progress bar.]' \
+        '--offline-result=[JSON of `sglx bench offline-throughput` on the same options: the report adds serving/offline thro...]:offline-result:_files' \
+        '--help[Show this message and exit.]'
+}
+
+_sglx_bench_offline_throughput() {
+    _arguments -s \
+        '--num-prompts=[Requests to generate.]:num-prompts: ' \
+        '--max-concurrency=[Most requests in the engine at once (default: all at once).]:max-concurrency: ' \
+        '--random-input-len=[Longest prompt, in tokens.]:random-input-len: ' \
+        '--random-output-len=[Longest output (max_tokens).]:random-output-len: ' \
+        '--random-range-ratio=[Lengths lie between ratio * len and len; 1.0 = all the same.]:random-range-ratio: ' \
+        '--length-dist=[How lengths spread over that range.]:length-dist:(uniform normal)' \
+        '--prompt-kind=[As `sglx bench serving --prompt-kind` (auto: token ids).]:prompt-kind:(auto token-ids text)' \
+        '--tokenizer=[HF tokenizer directory for text prompts.]:tokenizer:_files' \
+        '--vocab-size=[Vocabulary of token-id prompts (default: the model'\''s).]:vocab-size: ' \
+        '(--ignore-eos --no-ignore-eos)--ignore-eos[Generate exactly max_tokens.]' \
+        '(--ignore-eos --no-ignore-eos)--no-ignore-eos[Generate exactly max_tokens.]' \
+        '--temperature=[]:temperature: ' \
+        '--seed=[Seed of prompts and lengths (as `sglx bench serving`).]:seed: ' \
+        '--skip-warmup[No warm-up request before timing.]' \
+        '--json[Print the report as JSON instead of a table.]' \
+        '--output-file=[Also write the JSON report here.]:output-file:_files' \
+        '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model dire...]:model-path: ' \
+        '--tokenizer-path=[Tokenizer directory (default: the model'\''s).]:tokenizer-path: ' \
+        '--load-format=[Weights: safetensors from the model directory, or dummy random weights (benchmarks).]:load-format:(auto safetensors dummy)' \
+        '--dtype=[Compute dtype; auto = the checkpoint'\''s.]:dtype:(auto bfloat16 float16 float32)' \
+        '--device=[Device; auto = cuda when available, else cpu.]:device:(auto cpu cuda)' \
+        '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
+        '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
+        '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
+        '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
+        '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
+        '--chunked-prefill-size=[Split prompts into prefill chunks of this many tokens (default 8192; -1 disables).]:chunked-prefill-size: ' \
+        '--max-prefill-tokens=[Token budget of one prefill batch.]:max-prefill-tokens: ' \
+        '--enable-mixed-chunk[Run running decodes in the same step as a prefill chunk (MIXED steps).]' \
+        '--disable-radix-cache[Turn off prefix caching.]' \
+        '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
+        '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
+        '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
+        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
+        '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
+        '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
+        '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
+        '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
+        '(--tp-size --tp)--tp-size=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
+        '(--tp-size --tp)--tp=[Tensor-parallel ranks for LLMs: one process per rank (one GPU each on CUDA, NCCL; gloo on CPU), a...]:tp-size: ' \
+        '(--dp-size --dp)--dp-size=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
+        '(--dp-size --dp)--dp=[sglx serve, LLMs: data-parallel engine replicas (each a process with --tp-size GPUs of its own) b...]:dp-size: ' \
         '--help[Show this message and exit.]'
 }
 
@@ -238,6 +298,9 @@ _sglx_bench_one_batch() {
         '--batch-size=[Batch size(s): repeatable or comma-separated (default 1).]:batch-size: ' \
         '--input-len=[Prompt tokens per request.]:input-len: ' \
         '--output-len=[Generated tokens per request (1 from the prefill, the rest from decode steps).]:output-len: ' \
+        '--prefill-runs=[Timed prefills after the warm-up one (median reported).]:prefill-runs: ' \
+        '(--prefill-floor --no-prefill-floor)--prefill-floor[Also time the prefill'\''s GEMMs and SDPA attention alone (its compute floor, same run).]' \
+        '(--prefill-floor --no-prefill-floor)--no-prefill-floor[Also time the prefill'\''s GEMMs and SDPA attention alone (its compute floor, same run).]' \
         '--json[Print the report as JSON instead of a table.]' \
         '--output=[Also write the JSON report here.]:output:_files' \
         '--model-path=[Hugging Face model directory (config.json, *.safetensors, tokenizer.json), a diffusers model dire...]:model-path: ' \
@@ -250,7 +313,8 @@ _sglx_bench_one_batch() {
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
-        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with per-tensor scales.]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
+        '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -263,6 +327,7 @@ _sglx_bench_one_batch() {
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
         '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
+        '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
         '--ulysses-degree=[Diffusion: ranks that split the attention heads (all-to-all); must divide the heads.]:ulysses-degree: ' \
         '--ring-degree=[Diffusion: ranks that pass key/value blocks around a ring (any head count; dense backends).]:ring-degree: ' \
