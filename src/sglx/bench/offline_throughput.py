@@ -19,7 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sglx.bench.serving import BenchPrompt, ServingBenchConfig, build_prompts, prompts_fingerprint
+from sglx.bench.serving import (
+    BenchPrompt,
+    ServingBenchConfig,
+    build_prompts,
+    prompts_fingerprint,
+    throughput_fields,
+)
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.sampling import SamplingParams
 
@@ -103,17 +109,8 @@ def run_offline(engine: Any, config: OfflineBenchConfig) -> dict[str, Any]:
         "backend": "engine",
         "config": asdict(config),
         "prompts_sha256": prompts_fingerprint(prompts),
-        "completed": len(ok),
-        "failed": len(errors),
-        "errors": errors[:10],
-        "duration_s": duration,
+        **throughput_fields(len(ok), errors, duration, input_tokens, output_tokens),
         "cpu_s": cpu_s,
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration,
-        "input_token_throughput": input_tokens / duration,
-        "output_token_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
 
 

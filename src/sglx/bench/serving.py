@@ -294,6 +294,23 @@ def _nearest_rank(ordered: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def throughput_fields(completed: int, errors: list[str], duration: float, input_tokens: int,
+                      output_tokens: int) -> dict[str, Any]:
+    """The counts and rates both the serving and the offline report carry (so --offline-result compares like keys)."""
+    return {
+        "completed": completed,
+        "failed": len(errors),
+        "errors": errors[:10],
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": completed / duration,
+        "input_token_throughput": input_tokens / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     """mean / median (p50) / p90 / p99 in milliseconds, percentiles by nearest rank (0 when there are no values)."""
     if not values:
@@ -314,17 +331,8 @@ def summarize(config: ServingBenchConfig, model: str, outcomes: list[RequestOutc
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v)
                    for k, v in asdict(config).items() if k != "api_key"},
         "model": model,
-        "completed": len(ok),
-        "failed": len(errors),
-        "errors": errors[:10],
-        "duration_s": duration,
+        **throughput_fields(len(ok), errors, duration, input_tokens, output_tokens),
         "peak_concurrency": peak_concurrency,
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration,
-        "input_token_throughput": input_tokens / duration,
-        "output_token_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
         "ttft": _stats([o.ttft for o in ok]),
         "itl": _stats([gap for o in ok for gap in o.itl]),
         "e2e_latency": _stats([o.latency for o in ok]),
