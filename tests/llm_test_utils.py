@@ -280,3 +280,30 @@ class PagedKVHarness:
         from sglx.llm.forward_batch import ForwardMode
 
         return self._run(ForwardMode.DECODE, [r for r, _ in items], [[t] for _, t in items], False)
+
+
+def embedded_recall(num_prompts: int = 64, seed: int = 2024, **engine_kwargs: Any) -> tuple[int, int, Any]:
+    """Exact answers of the embedded model at its longest trained context (greedy, one thread), through an Engine
+    built with `engine_kwargs`; returns (right, asked, the engine's KV pool) so callers can check its scales.
+    Skips when the embedded model is not built."""
+    import pytest
+
+    from sglx.llm.embedded import default_model_path
+    from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
+    from sglx.llm.engine import Engine
+
+    if not (default_model_path() / "model.safetensors").is_file():
+        pytest.skip("the embedded model is not built")
+    rng = random.Random(seed)
+    examples = [make_example(rng, MAX_PAIRS) for _ in range(num_prompts)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Engine(**engine_kwargs) as eng:
+            pool = eng.runner.token_kv_pool
+            results = eng.generate([p for p, _ in examples], {"max_new_tokens": 8, "temperature": 0.0})
+    finally:
+        torch.set_num_threads(threads)
+    right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
+    return right, len(examples), pool
+

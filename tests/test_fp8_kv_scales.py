@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 
+from llm_test_utils import embedded_recall
 from triton_interpreted.launch import run_interpreted
 
 
@@ -131,29 +132,11 @@ def test_embedded_model_keeps_its_recall_with_fp8_e4m3_kv():
     With one scale of 1.0 per layer this model answered 53%; per-token scales with rotated keys keep it.
     torch_native here; triton's kernels read the same bytes (fp8_scale_cases.py) and were run on a GPU.
     """
-    import random
-
-    import torch
-
-    from sglx.llm.embedded import default_model_path
-    from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
-    from sglx.llm.engine import Engine
-
-    if not (default_model_path() / "model.safetensors").is_file():
-        pytest.skip("the embedded model is not built")
-    rng = random.Random(2024)
-    examples = [make_example(rng, MAX_PAIRS) for _ in range(64)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", dtype="float32") as eng:
-            assert eng.runner.token_kv_pool.per_token_scales
-            results = eng.generate([p for p, _ in examples], {"max_new_tokens": 8, "temperature": 0.0})
-    finally:
-        torch.set_num_threads(threads)
-    right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
-    print(f"\nfp8_e4m3 recall: {right}/{len(examples)}")
-    assert right / len(examples) >= 0.98
+    right, asked, pool = embedded_recall(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3",
+                                         dtype="float32")
+    assert pool.per_token_scales
+    print(f"\nfp8_e4m3 recall: {right}/{asked}")
+    assert right / asked >= 0.98
 
 
 def test_backends_that_read_one_scale_per_layer_get_a_static_pool(monkeypatch):

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from llm_test_utils import embedded_recall
 from sglx.llm.forward_batch import ForwardMode
 
 
@@ -125,30 +126,11 @@ def test_embedded_model_recall_with_calibrated_per_layer_scales():
     """One scale per layer from the first prefill, rotated keys: at least 78% of these 64 prompts (measured 55/64,
     and 85-88.5% on 2 x 200 others; one scale of 1.0 per layer: 52-54%). Not the issue's 98%: only per-token
     scales (triton, torch_native) reach that; see docs/benchmarks.md."""
-    import random
-
-    from sglx.llm.embedded import default_model_path
-    from sglx.llm.embedded.task import MAX_PAIRS, make_example, normalize_output
-    from sglx.llm.engine import Engine
-
-    if not (default_model_path() / "model.safetensors").is_file():
-        pytest.skip("the embedded model is not built")
-    rng = random.Random(2024)
-    examples = [make_example(rng, MAX_PAIRS) for _ in range(64)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with Engine(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate",
-                    dtype="float32") as eng:
-            pool = eng.runner.token_kv_pool
-            assert not pool.per_token_scales and pool.k_rotation is not None
-            results = eng.generate([p for p, _ in examples], {"max_new_tokens": 8, "temperature": 0.0})
-            assert not any(pool.scales_pending)
-    finally:
-        torch.set_num_threads(threads)
-    right = sum(normalize_output(r["text"]) == a for r, (_, a) in zip(results, examples))
-    print(f"\nfp8_e4m3 recall with calibrated per-layer scales: {right}/{len(examples)}")
-    assert right / len(examples) >= 0.78
+    right, asked, pool = embedded_recall(attention_backend="torch_native", kv_cache_dtype="fp8_e4m3",
+                                         kv_cache_scales="calibrate", dtype="float32")
+    assert not pool.per_token_scales and pool.k_rotation is not None and not any(pool.scales_pending)
+    print(f"\nfp8_e4m3 recall with calibrated per-layer scales: {right}/{asked}")
+    assert right / asked >= 0.78
 
 
 def test_server_warm_up_leaves_pending_scales_to_the_first_real_prefill():
