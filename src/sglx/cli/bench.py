@@ -155,11 +155,7 @@ def offline_throughput(
     except SglxError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    _write_report(report, json_output, output_file, offline_table(report))
-    for message in report["errors"]:
-        typer.echo(f"error: {message}", err=True)
-    if report["failed"]:
-        raise typer.Exit(1)
+    _finish(report, json_output, output_file, offline_table(report), report["errors"])  # failed > 0 iff errors
 
 
 Phase = enum.Enum("Phase", {k: k for k in ("decode", "prefill")}, type=str)  # type: ignore[misc]
@@ -181,6 +177,15 @@ def _write_report(report: dict, json_output: bool, output: Path | None, table: o
         typer.echo(text)
     else:
         Console(width=200).print(table)
+
+
+def _finish(report: dict, json_output: bool, output: Path | None, table: object, failures: list[str]) -> None:
+    """Write the report, then one `error:` line per failure and exit code 1 if there was any."""
+    _write_report(report, json_output, output, table)
+    for message in failures:
+        typer.echo(f"error: {message}", err=True)
+    if failures:
+        raise typer.Exit(1)
 
 
 def _prefill_shape(text: str) -> tuple[int, int]:
@@ -246,11 +251,7 @@ def attention(
     except SglxError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    _write_report(report, json_output, output, report_table(report))
-    for message in report["failed"]:
-        typer.echo(f"error: {message}", err=True)
-    if report["failed"]:
-        raise typer.Exit(1)
+    _finish(report, json_output, output, report_table(report), report["failed"])
 
 
 def _batch_sizes(values: list[str] | None) -> tuple[int, ...]:
@@ -396,11 +397,7 @@ def diffusion(
     except SglxError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    _write_report(report, json_output, output, report_tables(report))
-    for message in report["failed"]:
-        typer.echo(f"error: {message}", err=True)
-    if report["failed"]:
-        raise typer.Exit(1)
+    _finish(report, json_output, output, report_tables(report), report["failed"])
 
 
 def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None, frames: int, height: int,
@@ -438,8 +435,4 @@ def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None,
         raise typer.Exit(2) from None
     failed = [f"{r['backend']}: {r['error']}" for r in sparse["rows"] if r["kind"] == "sglx" and r.get("error")]
     report = {"environment": environment(dev), "sparse": sparse, "failed": failed}
-    _write_report(report, json_output, output, compare_table(report))
-    for message in failed:
-        typer.echo(f"error: {message}", err=True)
-    if failed:
-        raise typer.Exit(1)
+    _finish(report, json_output, output, compare_table(report), failed)
