@@ -198,7 +198,15 @@ begin() {
 stage1() {  # correctness of the kernels that are defaults (bare install: triton; with FlashInfer: flashinfer, MLA)
   begin 360
   fi_setup
-  local t0=$SECONDS
+  local t0=$SECONDS train_pid=""
+  if [ "${TRAIN_SHAPES_S:-0}" -gt 0 ] && ls .whl/shapes/diffusers-*.whl > /dev/null 2>&1; then
+    # tiny-shapes training (issue 10) beside the correctness tests: neither is timed; diffusers goes to its own
+    # site folder so the LLM tests never see it. Only model.tar comes back (its train_log.txt is inside).
+    ( SITE=/tmp/site_shapes OUT=$W/shapes LOGDIR=$W/shapes EVAL=0 DIT_SECONDS=$TRAIN_SHAPES_S \
+        TRAIN_ARGS="${TRAIN_SHAPES_ARGS:-}" timeout "$(lim $((TRAIN_SHAPES_S + 120)))" \
+        bash scripts/train_tiny_shapes_device.sh > "$W/train_shapes.txt" 2>&1 ) &
+    train_pid=$!
+  fi
   ( OUT=$W/fi BENCH=0 TEST_LIMIT=$(lim 300) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 320)" \
       bash benchmarks/run_flashinfer_device.sh > "$W/fi.txt" 2>&1 ) &
   ( OUT=$W/mla WHEELS=/nonexistent STAGES=tests TESTS_K="$S1_MLA_K" TESTS_TIMEOUT=$(lim 300) timeout "$(lim 320)" \
@@ -220,6 +228,14 @@ stage1() {  # correctness of the kernels that are defaults (bare install: triton
   PYTHONPATH=src:/tmp/site timeout "$(lim 40)" python3 -m sglx doctor --family llm --json > "$W/doctor_llm.json" \
     2> "$W/doctor_llm_stderr.txt"
   note "doctor --family llm --json (auto picks with FlashInfer, without FA4): rc=$?"
+  if [ -n "$train_pid" ]; then
+    wait "$train_pid"
+    note "tiny-shapes training rc=$? ($((SECONDS - t0)) s): $(grep -E "time limit|saved" "$W/train_shapes.txt" | tr '\n' ' ')"
+    grep -E "dit step" "$W/train_shapes.txt" | awk 'NR % 5 == 0' | tail -4 | sed 's/^/    /' >> "$W/summary.txt"
+    mkdir -p "$FINAL"
+    if [ -f "$W/shapes/model.tar" ]; then mv "$W/shapes/model.tar" "$FINAL/s1_tiny_shapes_model.tar"
+    elif [ -f "$W/shapes/ckpt.tar" ]; then mv "$W/shapes/ckpt.tar" "$FINAL/s1_tiny_shapes_ckpt.tar"; fi
+  fi
 }
 
 stage2() {  # measurements that need no FA4: fp8 KV decode (issue 13 target), the prefill floor, MLA default launch

@@ -405,6 +405,19 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.devic
     return torch.where(mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
 
 
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, x0: torch.Tensor, background: torch.Tensor,
+                 fg_weight: float) -> torch.Tensor:
+    """MSE with the shape's latent positions (and one position around them) weighted 1 + fg_weight: the
+    shape covers about a tenth of the latent grid, so plain MSE spends most of its gradient on black."""
+    err = (pred - target).square()
+    if fg_weight <= 0:
+        return err.mean()
+    lit = ((x0 - background).norm(dim=1, keepdim=True) > 0.5).float()
+    lit = F.max_pool3d(lit, kernel_size=(1, 3, 3), stride=1, padding=(0, 1, 1))
+    w = 1.0 + fg_weight * lit
+    return (err * w).mean() / w.mean()
+
+
 def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs: list, args,  # noqa: ANN001
               device: torch.device, log, checkpoint=None) -> tuple[dict, torch.nn.ModuleDict]:  # noqa: ANN001
     """Flow matching on the encoded latents; `checkpoint(ema, step)` is called every
@@ -413,7 +426,12 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
     gen = torch.Generator(device).manual_seed(args.seed + 4)
     models = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder}).train()
     ema = copy.deepcopy(models).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(models.parameters(), lr=args.dit_lr, weight_decay=0.01, fused=device.type == "cuda")
+    groups = [{"params": list(transformer.parameters()), "lr_mult": 1.0},
+              {"params": list(text_encoder.parameters()), "lr_mult": args.te_lr_mult}]
+    opt = torch.optim.AdamW(groups, lr=args.dit_lr, weight_decay=0.01, fused=device.type == "cuda")
+    # the black background's latent at every (channel, frame, row, column), border effects included: a
+    # position whose clean latent is far from it holds the shape, where --fg-weight puts extra loss
+    background = latents[:2048].median(dim=0).values.unsqueeze(0)
     motion_idx = np.array([i for i, s in enumerate(specs) if s.direction is not None])
     still_idx = np.array([i for i, s in enumerate(specs) if s.direction is None])
     t0, step, losses = time.time(), 0, []
@@ -422,7 +440,7 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         lr = args.dit_lr * schedule(step, args.dit_warmup,
                                     max(step / args.dit_steps, (time.time() - t0) / args.dit_seconds))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["lr_mult"]
         one_frame = step % args.image_every == 0
         if one_frame:  # an image: the first frame of any clip, under its own or its still prompt
             idx = rng.integers(len(specs), size=args.batch * 2)
@@ -447,7 +465,7 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
             context = encode_text(tokenizer, models["text_encoder"], prompts, device)
             pred = models["transformer"](hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
                                          return_dict=False)[0]
-        loss = F.mse_loss(pred.float(), noise - x0)
+        loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
@@ -531,6 +549,10 @@ def main() -> None:
     p.add_argument("--checkpoint-seconds", type=float, default=0.0)
     p.add_argument("--checkpoint-tar", default="", help="also pack each checkpoint into this tar file")
     p.add_argument("--image-every", type=int, default=4, help="every n-th DiT step is a one-frame (picture) batch")
+    p.add_argument("--te-lr-mult", type=float, default=1.0, help="the text encoder's learning rate as a multiple "
+                   "of --dit-lr (it must learn to tell the shape words apart)")
+    p.add_argument("--fg-weight", type=float, default=0.0, help="extra loss weight on the latent positions that "
+                   "hold the shape (0: plain MSE)")
     p.add_argument("--dit-warmup", type=int, default=300, help="DiT learning-rate warm-up steps")
     p.add_argument("--train-shift", type=float, default=SHIFT, help="flow shift of the DiT's training timesteps "
                    "(below the scheduler's shift: more low-noise steps, where edges and corners are drawn)")
