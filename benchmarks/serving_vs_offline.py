@@ -13,6 +13,7 @@ server in another with the bench client in a third. Both sides run under the sam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,18 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its running descendants (sglx serve's HTTP process and its engine process)."""
+    import psutil
+
+    pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    total = 0.0
+    for p in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += process_cpu_s(p)
+    return total
+
+
 def run_serving(out: Path, offline_file: Path, dataset: list[str], engine: list[str], nice: int,
                 env: dict[str, str], log: Path, server_src: str | None) -> dict[str, Any]:
     port = free_port()
@@ -71,11 +84,11 @@ def run_serving(out: Path, offline_file: Path, dataset: list[str], engine: list[
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"sglx serve did not become healthy; see {log}")
                 time.sleep(0.3)
-            cpu_before = process_cpu_s(server.pid)
+            cpu_before = tree_cpu_s(server.pid)
             subprocess.run(sglx(["bench", "serving", "--base-url", f"http://127.0.0.1:{port}", *dataset,
                                  "--disable-progress", "--offline-result", str(offline_file), "--output-file",
                                  str(out), "--json"], nice), check=True, env=env, stdout=subprocess.DEVNULL)
-            server_cpu = process_cpu_s(server.pid) - cpu_before  # the bench's span (client start-up included)
+            server_cpu = tree_cpu_s(server.pid) - cpu_before  # the bench's span (client start-up included)
         finally:
             server.terminate()
             server.wait(60)

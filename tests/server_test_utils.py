@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -85,6 +86,14 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return int(self.proc.returncode)
+
+
+def engine_processes(server_pid: int) -> list[Any]:
+    """The server's engine process(es) (`python -m sglx.server.engine_process`), as psutil processes."""
+    import psutil
+
+    return [c for c in psutil.Process(server_pid).children(recursive=True)
+            if "sglx.server.engine_process" in " ".join(c.cmdline())]
 
 
 def start_server(model: Path, log_dir: Path, *extra: str) -> ServerProcess:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from llm_test_utils import load_hf_model
-from server_test_utils import ENGINE_ARGS, ServerProcess, engine_load, start_server, wait_idle
+from server_test_utils import ENGINE_ARGS, ServerProcess, engine_load, engine_processes, start_server, wait_idle
 from server_test_utils import model_path as pick_model
 from sglx.llm.tokenizer import Tokenizer
 
@@ -363,6 +363,7 @@ def abort_count(base_url: str) -> int:
 
 def test_sigterm_finishes_in_flight_stream_and_exits_zero(model: Path, tmp_path: Path) -> None:
     proc = start_server(model, tmp_path, "--grace-period", "30")
+    (engine,) = engine_processes(proc.proc.pid)  # the scheduler runs in a process of its own
     events: list[str] = []
 
     def read_stream() -> None:
@@ -380,6 +381,8 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero(model: Path, tmp_path:
     streamed = [json.loads(e) for e in events[:-1]]
     assert streamed[-1]["choices"][0]["finish_reason"] == "length"  # finished within the grace period
     assert "server stopped" in proc.log()
+    assert not engine.is_running(), "the engine process outlived the server"
+    assert "leaked semaphore" not in proc.log()
 
 
 def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_zero(model: Path, tmp_path: Path) -> None:

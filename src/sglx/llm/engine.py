@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +239,7 @@ class Engine:
                 finished = chunk.finished
                 if finished:
                     self._check_parallel()
-                yield _chunk_dict(chunk)
+                yield chunk_dict(chunk)
         finally:
             if not finished:
                 self.scheduler.abort(rid)
@@ -265,10 +265,22 @@ class Engine:
             while not finished:
                 chunk = await q.get()
                 finished = chunk.finished
-                yield _chunk_dict(chunk)
+                yield chunk_dict(chunk)
         finally:
             if not finished:
                 self.scheduler.abort(req.rid)
+
+    def submit(self, input_ids: Sequence[int], sampling_params: ParamsLike, on_output: Callable[[OutputChunk], None],
+               stream: bool = True, return_logprob: bool = False, top_logprobs: int = 0) -> str:
+        """Queue one request of token ids; `on_output` gets its chunks on the scheduler thread. Returns its rid,
+        for `abort`. The server's engine process (sglx.server.engine_process) drives the engine this way."""
+        req = self._make_request(None, input_ids, sampling_params, on_output, stream, return_logprob, top_logprobs)
+        self.scheduler.submit(req)
+        return req.rid
+
+    def abort(self, rid: str) -> None:
+        """End a submitted request early (its KV is freed; its last chunk says finish_reason "abort")."""
+        self.scheduler.abort(rid)
 
     async def async_generate(self, prompt: Prompt | None = None, sampling_params: ParamsLike = None,
                              input_ids: Sequence[int] | None = None, return_logprob: bool = False
@@ -319,7 +331,8 @@ def _is_single(prompt: Any, input_ids: Any) -> bool:
     return False
 
 
-def _chunk_dict(chunk: OutputChunk) -> dict[str, Any]:
+def chunk_dict(chunk: OutputChunk) -> dict[str, Any]:
+    """A chunk as the streaming APIs yield it (the server's engine process sends these too)."""
     out: dict[str, Any] = {"rid": chunk.rid, "text": chunk.text, "output_ids": chunk.token_ids,
                            "finished": chunk.finished, "finish_reason": chunk.finish_reason}
     if chunk.logprobs is not None:

@@ -99,6 +99,7 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.after_step: Callable[[], None] | None = None  # run by the loop thread after each iteration
 
     # ------------------------------------------------------------------ thread-safe entry points
 
@@ -143,7 +144,18 @@ class Scheduler:
             except Exception as exc:  # one broken step must not kill the engine: fail its requests instead
                 log.exception("scheduler step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._after_step()
         self._fail_all("the engine was shut down")
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """Call `after_step` (if set): the loop's outputs of this iteration are all emitted, so a caller that
+        buffers them (the server's engine process) can ship them in one message per step."""
+        if self.after_step is not None:
+            try:
+                self.after_step()
+            except Exception:
+                log.exception("after_step callback failed")
 
     def release_memory(self) -> None:
         """Drop the references to pools and runner after stop(), so their device memory can be freed."""

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sglx.llm.engine import Engine
 from sglx.llm.sampling import SamplingParams
 from sglx.server.errors import APIError
 from sglx.server.metrics import ServerMetrics
+from sglx.server.served_engine import ServedEngine
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class Choice:
 _END = object()
 
 
-async def run_choices(engine: Engine, choices: list[Choice], metrics: ServerMetrics,
+async def run_choices(engine: ServedEngine, choices: list[Choice], metrics: ServerMetrics,
                       arrival: float) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
     """Yield (choice, chunk) as chunks come, from all choices interleaved; the last chunk of each has "result"."""
     queue: asyncio.Queue[Any] = asyncio.Queue()

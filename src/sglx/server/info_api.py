@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -10,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sglx import __version__
 from sglx.server.config import ServerConfig
-from sglx.server.engine_state import engine_load, kv_pool_info, metric_gauges
+from sglx.server.engine_state import kv_pool_info, metric_gauges
 from sglx.server.state import ServerState
 
 
@@ -18,7 +17,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.sglx
 
 
-def health_response(serving: bool, failure: BaseException | None = None) -> Response:
+def health_response(serving: bool, failure: BaseException | str | None = None) -> Response:
     """200 while the server takes requests; 503 while it drains or its engine stopped (load balancers look here).
 
     `failure`: why the engine cannot serve any more (a rank of its parallel group died), its one line in "error"."""
@@ -36,14 +35,14 @@ def model_list(state: Any, root: str, **extra: Any) -> Response:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    return health_response(not state.stopping and state.engine.scheduler.alive,
-                           getattr(state.engine, "failure", None))  # a broken TP group: its one line
+    alive, failure = await state.engine.health()  # failure: e.g. a dead tensor-parallel rank, its one line
+    return health_response(not state.stopping and alive, failure)
 
 
 async def models(request: Request) -> Response:
     state = _state(request)
-    runner = state.engine.runner
-    return model_list(state, str(runner.model_path), max_model_len=runner.memory.context_length)
+    engine = state.engine
+    return model_list(state, engine.model_path, max_model_len=engine.context_length)
 
 
 def attention_summary(info: dict[str, Any]) -> dict[str, Any]:
@@ -62,14 +61,14 @@ def server_options(cfg: ServerConfig) -> dict[str, Any]:
 async def server_info(request: Request) -> Response:
     state = _state(request)
     engine = state.engine
-    load = await asyncio.to_thread(engine_load, engine)
-    info = engine.info
+    load = await engine.load()
+    info = await engine.current_info()
     return JSONResponse({
         "version": __version__,
         "served_model_name": state.model_name,
         "model_path": str(info["model_path"]),
         "architecture": info["architecture"],
-        "vocab_size": engine.model_config.vocab_size,
+        "vocab_size": engine.vocab_size,
         "attention": attention_summary(info),
         "engine": info,
         "engine_config": engine.config.to_dict(),
@@ -81,12 +80,12 @@ async def server_info(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    load = await asyncio.to_thread(engine_load, state.engine)
+    load = await state.engine.load()
     return PlainTextResponse(state.metrics.render(metric_gauges(load)), media_type="text/plain; version=0.0.4")
 
 
 async def flush_cache(request: Request) -> Response:
     """Evict every unused cached prefix (SGLang's /flush_cache); answers the free KV slots afterwards."""
     state = _state(request)
-    free = await asyncio.to_thread(state.engine.flush_cache)
+    free = await state.engine.flush_cache()
     return JSONResponse({"kv_free": free})

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sglx.llm.engine import Engine
+from sglx.server.served_engine import ServedEngine
 
 
-def token_text(engine: Engine, token_id: int) -> str:
+def token_text(engine: ServedEngine, token_id: int) -> str:
     if engine.tokenizer is None:
         return f"token_id:{token_id}"
     return engine.tokenizer.decode([int(token_id)], skip_special_tokens=False)
@@ -21,7 +21,7 @@ def token_text(engine: Engine, token_id: int) -> str:
 class CompletionLogprobs:
     """Accumulates {"tokens", "token_logprobs", "top_logprobs", "text_offset"} across chunks."""
 
-    def __init__(self, engine: Engine, top: int) -> None:
+    def __init__(self, engine: ServedEngine, top: int) -> None:
         self.engine = engine
         self.top = top
         self.offset = 0
@@ -45,7 +45,7 @@ class CompletionLogprobs:
                 "text_offset": offsets}
 
 
-def chat_logprobs(engine: Engine, ids: Sequence[int], logprobs: Sequence[float],
+def chat_logprobs(engine: ServedEngine, ids: Sequence[int], logprobs: Sequence[float],
                   tops: Sequence[Sequence[tuple[int, float]]] | None) -> dict[str, Any]:
     def entry(token_id: int, lp: float) -> dict[str, Any]:
         text = token_text(engine, token_id)

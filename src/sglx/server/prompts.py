@@ -9,22 +9,22 @@ from __future__ import annotations
 from typing import Any
 
 from sglx.errors import SglxError
-from sglx.llm.engine import Engine
 from sglx.server.errors import APIError, bad_request
+from sglx.server.served_engine import ServedEngine
 
 
-def _tokenizer(engine: Engine, param: str) -> Any:
+def _tokenizer(engine: ServedEngine, param: str) -> Any:
     if engine.tokenizer is None:
-        raise bad_request(f"this model ({engine.runner.model_path}) has no tokenizer, so text prompts cannot be "
+        raise bad_request(f"this model ({engine.model_path}) has no tokenizer, so text prompts cannot be "
                           "encoded; send token ids (a list of integers) as the prompt instead", param)
     return engine.tokenizer
 
 
-def encode_text(engine: Engine, text: str, param: str) -> list[int]:
+def encode_text(engine: ServedEngine, text: str, param: str) -> list[int]:
     return list(_tokenizer(engine, param).encode(text))
 
 
-def encode_chat(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(engine: ServedEngine, messages: list[dict[str, str]]) -> list[int]:
     tok = _tokenizer(engine, "messages")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -33,19 +33,19 @@ def encode_chat(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def check_ids(engine: Engine, ids: list[int], param: str) -> list[int]:
-    vocab = engine.model_config.vocab_size
+def check_ids(engine: ServedEngine, ids: list[int], param: str) -> list[int]:
+    vocab = engine.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"{param}: token ids must be in [0, {vocab}) for this model; got {bad[:5]}", param)
     return ids
 
 
-def check_length(engine: Engine, ids: list[int], max_tokens: int | None, param: str,
+def check_length(engine: ServedEngine, ids: list[int], max_tokens: int | None, param: str,
                  max_tokens_param: str = "max_tokens") -> int:
     """Validate prompt length (+ requested output) against the context; returns the output budget."""
-    context = engine.runner.memory.context_length
-    capacity = engine.scheduler.capacity()
+    context = engine.context_length
+    capacity = engine.capacity
     if not ids:
         raise bad_request(f"{param}: the prompt is empty (0 tokens)", param)
     if len(ids) >= capacity:

@@ -1,5 +1,9 @@
 """Start the engine, print what attention backends run and why, serve with uvicorn, stop cleanly.
 
+The LLM engine runs in a process of its own (sglx.server.engine_process), so the scheduler loop never waits
+for the HTTP event loop's GIL; if that process dies, open requests fail with a 500, /health says why, and the
+server exits with code 1.
+
 SIGINT/SIGTERM: uvicorn stops accepting connections, gives in-flight requests `grace_period`
 seconds, then cancels the rest (which aborts their engine requests); the engine is shut down and the
 process exits 0. uvicorn itself would re-raise the signal after shutting down (exit 143/130); a
@@ -77,33 +81,43 @@ def warm_up(engine: Any) -> None:
     engine.flush_cache()
 
 
-def _serve(app: Any, config: ServerConfig) -> int:
+def _serve(app: Any, config: ServerConfig, engine: Any = None) -> int:
+    """Run uvicorn until a signal; with an EngineClient, also until its engine process dies (then exit 1)."""
     import uvicorn
 
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.grace_period, lifespan="on",
                                access_log=config.log_level == "debug")
     server = _graceful_server_class()(uv_config)
+    if engine is not None:
+        def stop(reason: str) -> None:  # from the client's reader thread; uvicorn polls should_exit
+            app.state.sglx.stopping = True
+            server.should_exit = True
+        engine.on_death = stop
+        if engine.death is not None:
+            stop(engine.death)
     server.run()
     if not server.started:
         return 1  # e.g. the port is taken: uvicorn has logged why
+    if engine is not None and engine.death is not None:
+        print(f"[sglx] error: {engine.death}; server stopped", file=sys.stderr, flush=True)
+        return 1
     print("[sglx] server stopped", file=sys.stderr, flush=True)
     return 0
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
-    from sglx.llm.engine import Engine
     from sglx.server.app import create_app
+    from sglx.server.engine_client import EngineClient
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(engine_config)
+    engine = EngineClient.start(engine_config, config.log_level)  # loads and warms up (warm_up) the model
     try:
-        warm_up(engine)
         app = create_app(engine, config, shutdown_engine=True)
         for line in startup_lines(engine.info, app.state.sglx.model_name, config):
             print(line, file=sys.stderr, flush=True)
-        return _serve(app, config)
+        return _serve(app, config, engine)
     finally:
         engine.shutdown()
 

@@ -7,17 +7,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglx.llm.engine import Engine
 from sglx.server.config import ServerConfig
 from sglx.server.errors import APIError
 from sglx.server.metrics import ServerMetrics
+from sglx.server.served_engine import ServedEngine
 
 log = logging.getLogger("sglx.server")
 
 
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: ServedEngine
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -25,7 +25,7 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or Path(str(self.engine.runner.model_path)).name
+        return self.config.served_model_name or Path(self.engine.model_path).name
 
     def check_model(self, model: str | None) -> None:
         check_model(model, self.model_name)
