@@ -78,13 +78,14 @@ def keep_layers_exact(pool, layers: list[int]) -> None:  # noqa: ANN001
 
 
 def recall(scheme: str, kv: str, prompts: list[str], answers: list[str], seed_note: str, k_search: int = 0,
-           exact_layers: tuple[int, ...] = ()) -> dict:
+           exact_layers: tuple[int, ...] = (), skip_layers: str | None = None) -> dict:
     from sglx.llm.embedded.task import MAX_PAIRS, normalize_output
     from sglx.llm.engine import Engine
 
     start = time.perf_counter()
     mode = "auto" if scheme == "per_token" else "one" if scheme.startswith("one") else "calibrate"
-    with Engine(attention_backend="torch_native", kv_cache_dtype=kv, kv_cache_scales=mode, device="cpu") as eng:
+    with Engine(attention_backend="torch_native", kv_cache_dtype=kv, kv_cache_scales=mode, device="cpu",
+                kv_cache_dtype_skip_layers=skip_layers) as eng:
         pool = eng.runner.token_kv_pool
         setup_pool(pool, scheme)
         if k_search and scheme.startswith("calibrated"):
@@ -93,10 +94,12 @@ def recall(scheme: str, kv: str, prompts: list[str], answers: list[str], seed_no
             keep_layers_exact(pool, list(exact_layers))
         results = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0})
         scales = pool.describe_scales()
+        bytes_per_token = pool.bytes_per_token()
         dtype = str(eng.runner.dtype)
     right = sum(normalize_output(r["text"]) == a for r, a in zip(results, answers))
     return dict(backend="torch_native", kv_cache_dtype=kv, scheme=scheme, prompts=len(prompts), pairs=MAX_PAIRS,
                 prompt_seed=seed_note, dtype=dtype, correct=right, accuracy=right / len(prompts), scales=scales,
+                kv_bytes_per_token=bytes_per_token,
                 seconds=round(time.perf_counter() - start, 1))
 
 
@@ -114,6 +117,8 @@ def main() -> None:
                     "scale * 2^(j/N), j < N, with the least squared rounding error over the first batch (experiment)")
     ap.add_argument("--k-range", type=float, default=None, help="calibrated schemes: store the first batch's "
                     "largest |K| (and |V|) as this value instead of vLLM's 200 (100 for V)")
+    ap.add_argument("--skip-layers", default=None, help="--kv-cache-dtype-skip-layers: these layers keep the model "
+                    "dtype (static-scale schemes)")
     ap.add_argument("--output", default="recall_fp8_per_layer_scales_cpu.json")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -130,7 +135,9 @@ def main() -> None:
         kv_scale_calibration.K_RANGE = kv_scale_calibration.V_RANGE = args.k_range
     for scheme in args.schemes.split(","):
         exact = tuple(int(x) for x in args.exact_layers.split(",") if x)
-        row = recall(scheme, args.kv, prompts, answers, str(args.seed), args.k_search, exact)
+        row = recall(scheme, args.kv, prompts, answers, str(args.seed), args.k_search, exact, args.skip_layers)
+        if args.skip_layers:
+            row["skip_layers"] = args.skip_layers
         if exact:
             row["exact_layers"] = list(exact)
         if scheme.startswith("calibrated"):

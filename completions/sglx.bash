@@ -15,13 +15,13 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --offline-result --help' ;;
-        'sglx bench offline-throughput') echo '--num-prompts --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --seed --skip-warmup --json --output-file --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx bench offline-throughput') echo '--num-prompts --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --seed --skip-warmup --json --output-file --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
-        'sglx bench one-batch') echo '--batch-size --input-len --output-len --prefill-runs --prefill-floor --no-prefill-floor --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx bench one-batch') echo '--batch-size --input-len --output-len --prefill-runs --prefill-floor --no-prefill-floor --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --attention-backend --attention-backend-config --canvas --heads --head-dim --text-tokens --layer --no-anchors --json --output --help' ;;
         *) ;;
     esac
@@ -70,6 +70,7 @@ _sglx_nargs() {
         'sglx generate --page-size') echo '1' ;;
         'sglx generate --kv-cache-dtype') echo '1' ;;
         'sglx generate --kv-cache-scales') echo '1' ;;
+        'sglx generate --kv-cache-dtype-skip-layers') echo '1' ;;
         'sglx generate --mem-fraction-static') echo '1' ;;
         'sglx generate --max-total-tokens') echo '1' ;;
         'sglx generate --max-running-requests') echo '1' ;;
@@ -107,6 +108,7 @@ _sglx_nargs() {
         'sglx serve --page-size') echo '1' ;;
         'sglx serve --kv-cache-dtype') echo '1' ;;
         'sglx serve --kv-cache-scales') echo '1' ;;
+        'sglx serve --kv-cache-dtype-skip-layers') echo '1' ;;
         'sglx serve --mem-fraction-static') echo '1' ;;
         'sglx serve --max-total-tokens') echo '1' ;;
         'sglx serve --max-running-requests') echo '1' ;;
@@ -165,6 +167,7 @@ _sglx_nargs() {
         'sglx bench offline-throughput --page-size') echo '1' ;;
         'sglx bench offline-throughput --kv-cache-dtype') echo '1' ;;
         'sglx bench offline-throughput --kv-cache-scales') echo '1' ;;
+        'sglx bench offline-throughput --kv-cache-dtype-skip-layers') echo '1' ;;
         'sglx bench offline-throughput --mem-fraction-static') echo '1' ;;
         'sglx bench offline-throughput --max-total-tokens') echo '1' ;;
         'sglx bench offline-throughput --max-running-requests') echo '1' ;;
@@ -214,6 +217,7 @@ _sglx_nargs() {
         'sglx bench one-batch --page-size') echo '1' ;;
         'sglx bench one-batch --kv-cache-dtype') echo '1' ;;
         'sglx bench one-batch --kv-cache-scales') echo '1' ;;
+        'sglx bench one-batch --kv-cache-dtype-skip-layers') echo '1' ;;
         'sglx bench one-batch --mem-fraction-static') echo '1' ;;
         'sglx bench one-batch --max-total-tokens') echo '1' ;;
         'sglx bench one-batch --max-running-requests') echo '1' ;;

@@ -87,6 +87,7 @@ _sglx_generate() {
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
+        '--kv-cache-dtype-skip-layers=[fp8 KV with one scale per layer (flashinfer, trtllm_mha, checkpoint scales): keep these layers (c...]:kv-cache-dtype-skip-layers: ' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -133,6 +134,7 @@ _sglx_serve() {
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
+        '--kv-cache-dtype-skip-layers=[fp8 KV with one scale per layer (flashinfer, trtllm_mha, checkpoint scales): keep these layers (c...]:kv-cache-dtype-skip-layers: ' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -247,6 +249,7 @@ _sglx_bench_offline_throughput() {
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
+        '--kv-cache-dtype-skip-layers=[fp8 KV with one scale per layer (flashinfer, trtllm_mha, checkpoint scales): keep these layers (c...]:kv-cache-dtype-skip-layers: ' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \
@@ -315,6 +318,7 @@ _sglx_bench_one_batch() {
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
+        '--kv-cache-dtype-skip-layers=[fp8 KV with one scale per layer (flashinfer, trtllm_mha, checkpoint scales): keep these layers (c...]:kv-cache-dtype-skip-layers: ' \
         '--mem-fraction-static=[GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM for the...]:mem-fraction-static: ' \
         '--max-total-tokens=[KV-cache size in tokens (overrides --mem-fraction-static).]:max-total-tokens: ' \
         '--max-running-requests=[Most requests decoding at once (default: 256 on CPU, 2048 on GPU, at most the pool size).]:max-running-requests: ' \

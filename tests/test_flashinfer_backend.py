@@ -279,11 +279,12 @@ STEPS = [(ForwardMode.EXTEND, [9, 23, 4]), (ForwardMode.DECODE, [1, 1, 1]), (For
 
 
 def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec], monkeypatch: pytest.MonkeyPatch,
-              config: dict | None = None, calibrate: bool = False) -> list[str]:
+              config: dict | None = None, calibrate: bool = False, keep: tuple[int, ...] = ()) -> list[str]:
     """Each step through `name` (on the CPU, device check lifted) and torch_native on twin caches; outputs equal.
 
     `calibrate`: both fp8 pools get per-layer scales from the first prefill over rotated keys
-    (`--kv-cache-scales calibrate`), so `name` must rotate its queries on the paged paths."""
+    (`--kv-cache-scales calibrate`), so `name` must rotate its queries on the paged paths; `keep`: those layers
+    stay in the model dtype (`--kv-cache-dtype-skip-layers`, with `calibrate`)."""
     import sglx.attention.llm.flashinfer as fi_mod
 
     monkeypatch.setattr(fi_mod, "check_context", lambda backend, ctx: None)
@@ -302,6 +303,7 @@ def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec]
         if calibrate:
             c.pool.num_layers = len(layers)
             c.pool.calibrate_static_scales(rotate_keys=True)
+            c.pool.keep_unquantized(keep)
     mine = find(name, "llm", "mha").load()(BackendContext(torch.device("cpu"), torch.float32, hq, hkv, dim, page,
                                                           caches[0].r2t, caches[0].pool, config or {}))
     ref = TorchNativeBackend(BackendContext(torch.device("cpu"), torch.float32, hq, hkv, dim, page, caches[1].r2t,
@@ -326,7 +328,9 @@ def run_steps(name: str, page: int, kv_cache_dtype: str, layers: list[LayerSpec]
             assert (got - want).abs().max().item() <= tol, (mode, phases[-1])
         if calibrate:  # both pools froze the same scales from the first prefill (this step's K/V)
             assert not any(caches[0].pool.scales_pending) and caches[0].pool.k_scale == caches[1].pool.k_scale
-            assert all(s != 1.0 for s in caches[0].pool.k_scale + caches[0].pool.v_scale)
+            fp8 = [i for i in range(len(layers)) if i not in keep]
+            assert all(caches[0].pool.k_scale[i] != 1.0 != caches[0].pool.v_scale[i] for i in fp8)
+            assert all(caches[0].pool.k_scale[i] == 1.0 == caches[0].pool.v_scale[i] for i in keep)
         lo = hi
     return phases
 
@@ -366,6 +370,20 @@ def test_calibrated_per_layer_scales_with_rotated_queries(flashinfer_standin, mo
     phases = run_steps(name, 16, "fp8_e4m3", layers, monkeypatch, calibrate=True)
     decode = "trtllm" if name == "trtllm_mha" else "decode"
     assert phases == ["ragged", decode, "paged", "paged", decode]
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "trtllm_mha"])
+def test_layers_kept_in_the_model_dtype_get_plans_of_their_own(flashinfer_standin, monkeypatch, name: str) -> None:
+    """--kv-cache-dtype-skip-layers 1 over calibrated fp8 scales: layer 1's pages are read as the model dtype (its
+    own plans, scales 1.0), layer 0's as e4m3 with its scales; both equal torch_native over the same pool."""
+    layers = [LayerSpec(0, 8, 2, 64, 0.125), LayerSpec(1, 8, 2, 64, 0.125)]
+    phases = run_steps(name, 16, "fp8_e4m3", layers, monkeypatch, calibrate=True, keep=(1,))
+    decode = "trtllm" if name == "trtllm_mha" else "decode"
+    assert phases == ["ragged", decode, "paged", "paged", decode]
+    paged = [p["kv"] for k, p in StandIn.plans if k in ("paged", "decode")]
+    assert paged.count(torch.float32) == paged.count(torch.float8_e4m3fn) > 0  # one plan per dtype a step
+    # same LayerSpec numbers, two kinds: a layer kept in the model dtype never shares the fp8 layer's plan
+    assert len([k for k, _ in StandIn.plans if k == "ragged"]) == 2
 
 
 def test_a_per_token_scale_pool_is_switched_to_per_layer_scales(flashinfer_standin, monkeypatch) -> None:

@@ -140,6 +140,37 @@ def test_store_path_writes_a_calibrated_rotated_static_pool_like_the_pool():
     assert pools[0].k_scale == pools[1].k_scale
 
 
+def test_store_path_keeps_a_skipped_layer_in_the_model_dtype():
+    """--kv-cache-dtype-skip-layers 1 through the Triton store kernel: layer 1 holds the (rotated) keys and the
+    values in the model dtype, unrounded, layer 0 fp8 bits with its calibrated scales, as TokenKVPool.set_kv."""
+    from types import SimpleNamespace
+
+    from sglx.attention.llm.base import LayerSpec
+    from sglx.attention.llm.kv_store import store_step_kv
+    from sglx.llm.forward_batch import ForwardMode
+
+    n, hkv, dim = 6, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(n, hkv, dim, generator=gen) * 4, torch.randn(n, hkv, dim, generator=gen)
+    pools = [TokenKVPool(2 * n + 4, 4, 2, hkv, dim, torch.float16, "fp8_e4m3") for _ in range(2)]
+    for pool in pools:
+        pool.calibrate_static_scales(rotate_keys=True)
+        pool.keep_unquantized((1,))
+    loc = torch.randperm(n, generator=gen) + 4
+    for layer_id in (0, 1):
+        batch = SimpleNamespace(mode=ForwardMode.EXTEND, token_kv_pool=pools[0], out_cache_loc=loc)
+        store_step_kv(k.half(), v.half(), LayerSpec(layer_id, 4, hkv, dim, dim ** -0.5), batch, kernel_on_cpu=True)
+        pools[1].set_kv(layer_id, loc, k.half(), v.half())
+    assert pools[0].k_buffer[1].dtype == torch.float16 and pools[0].k_buffer[0].dtype == torch.uint8
+    assert pools[0].k_scale[1] == 1.0 and pools[0].k_scale[0] != 1.0 and not pools[0].calibrating
+    assert torch.allclose(pools[0].k_buffer[1][loc].float(), pools[1].k_buffer[1][loc].float(), atol=2e-3)
+    assert torch.equal(pools[0].v_buffer[1][loc], v.half())
+    back, _ = pools[0].get_kv(1, loc, torch.float64)
+    assert torch.allclose(back, k.half().double(), atol=1e-2)  # fp16 rounding of the rotated keys only
+    same = (pools[0].k_buffer[0][loc] == pools[1].k_buffer[0][loc]).float().mean().item()
+    assert same > 0.99, same
+
+
 DECODE_CASES = [
     # (page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap, max_splits, merge)
     (16, 4, 2, 64, torch.float32, "fp8_e4m3", None, 0.0, 4, "last-split"),

@@ -33,7 +33,7 @@ register(BackendSpec(
     requires=(CUDA, Capability(min=(8, 0)), Package(("flashinfer",)), Dtypes(("float16", "bfloat16")),
               HeadDims(allowed=(64, 128, 256))),
     features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=True, multimodal=False, cuda_graph=True),
+                         sliding_window=True, multimodal=False, cuda_graph=True, fp8_kv_dtype_per_layer=True),
     config=(ConfigParam("decode_tensor_cores", "str", "Decode on tensor cores (FlashInfer's prefill template): "
                         "auto uses them for GQA groups >= 4 and fp8 KV, where they win.",
                         default="auto", choices=("auto", "on", "off")),),
@@ -41,7 +41,9 @@ register(BackendSpec(
     notes="The pool's pages viewed in place (every page size native), ragged prefill without cached prefixes, "
           "paged causal prefill with them, decode on tensor cores for GQA >= 4; one plan per step and layer kind; "
           "fp8 KV with one scale per layer (the checkpoint's, else from the first prefill over rotated keys: 85-88.5% "
-          "on the embedded model's recall where per-token scales on triton keep 98.5%), sliding window, logit "
+          "on the embedded model's recall where per-token scales on triton keep 98.5%; with "
+          "--kv-cache-dtype-skip-layers 1 that layer stays in the model dtype with plans of its own: 100% of 2 x 200 "
+          "prompts emulated on CPU, unrun on a GPU), sliding window, logit "
           "soft-cap; decode in CUDA graphs. Verified on an H100 "
           "(float64, graph replay, transformers parity); FlashInfer's plan costs ~0.5 ms of host time a decode step.",
 ))
@@ -91,7 +93,8 @@ register(BackendSpec(
     summary="PyTorch scaled_dot_product_attention over KV gathered from the paged pool; runs everywhere.",
     requires=(),
     features=LLMFeatures(native_paging=False, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
-                         sliding_window=True, multimodal=False, cuda_graph=False, fp8_per_token_scales=True),
+                         sliding_window=True, multimodal=False, cuda_graph=False, fp8_per_token_scales=True,
+                         fp8_kv_dtype_per_layer=True),
     factory="sglx.attention.llm.torch_native:TorchNativeBackend",
     notes="Reference backend: correct on every device and page size, not tuned for speed; no CUDA graphs.",
 ))
@@ -119,11 +122,12 @@ register(BackendSpec(
               Dtypes(("float16", "bfloat16")), HeadDims(allowed=(64, 128, 256))),
     features=LLMFeatures(native_paging=True, fp8_kv=True, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
                          sliding_window=True, multimodal=False, page_sizes=PageSizeRule((16, 32, 64)),
-                         cuda_graph=True),
+                         cuda_graph=True, fp8_kv_dtype_per_layer=True),
     factory="sglx.attention.llm.trtllm_mha:TrtllmMHABackend",
     notes="Decode: flashinfer's trtllm_batch_decode_with_kv_cache (XQA on SM90/SM120, trtllm-gen on SM100) over "
           "the pool's pages in place, block tables built on the device, CUDA graphs; prefill is FlashInfer's "
-          "(as in SGLang). fp8 KV as e4m3 only, one scale per layer as in flashinfer, and XQA's SM90 fp8 kernel "
+          "(as in SGLang). fp8 KV as e4m3 only, one scale per layer as in flashinfer "
+          "(--kv-cache-dtype-skip-layers too), and XQA's SM90 fp8 kernel "
           "computes in fp8 (errors of 1e-2 to "
           "4e-2 against float64); no logit soft-cap. Verified on SM90 (H100) only.",
 ))

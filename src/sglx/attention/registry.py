@@ -53,6 +53,9 @@ class LLMFeatures:
     cuda_graph: bool = False
     # fp8 KV read with a scale per token and head (what keeps accuracy), not one per layer; auto prefers these
     fp8_per_token_scales: bool = False
+    # fp8 KV with some layers kept in the model dtype (--kv-cache-dtype-skip-layers): the backend reads each layer's
+    # KV in its own dtype (AttentionBackend.kv_dtype_per_layer, which the engine checks)
+    fp8_kv_dtype_per_layer: bool = False
     # Native page sizes the matrix lists for a kernel that can still emulate others (shown, not enforced).
     native_sizes_note: str | None = None
 

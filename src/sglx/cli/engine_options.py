@@ -113,6 +113,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "head where every chosen backend reads them (triton, torch_native), else calibrate; calibrate = one "
                "scale per layer from the first prefill batch (amax/200 for K over rotated keys, amax/100 for V), "
                "then frozen; one = 1.0 per layer.", KV_CACHE_SCALES_CHOICES),
+    EngineFlag("kv_cache_dtype_skip_layers", "--kv-cache-dtype-skip-layers", str | None, None,
+               "fp8 KV with one scale per layer (flashinfer, trtllm_mha, checkpoint scales): keep these layers "
+               "(comma-separated indices, e.g. 1) in the model dtype."),
     EngineFlag("mem_fraction_static", "--mem-fraction-static", float | None, None,
                "GPU: share of device memory for weights + KV cache (default 0.85); CPU: share of free RAM "
                "for the KV cache (default 0.25)."),

@@ -40,6 +40,9 @@ class EngineConfig:
     # every selected backend reads them, else calibrate; calibrate = one K/V scale per layer from the first
     # prefill batch over rotated keys, then frozen; one = 1.0 per layer (vLLM/SGLang without scales)
     kv_cache_scales: str = "auto"
+    # fp8 KV with one scale per layer: these layers (comma-separated indices) keep the model dtype (vLLM's
+    # kv_cache_dtype_skip_layers); for layers whose keys need more than e4m3's mantissa (sglx.llm.kv_cache)
+    kv_cache_dtype_skip_layers: str | None = None
     mem_fraction_static: float | None = None  # GPU: share of device memory for weights + KV (default 0.85)
     max_total_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction_static
     max_running_requests: int | None = None  # None: derived from the pool size
@@ -70,6 +73,11 @@ class EngineConfig:
         choice("--dtype", self.dtype, DTYPE_CHOICES)
         choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         choice("--kv-cache-scales", self.kv_cache_scales, KV_CACHE_SCALES_CHOICES)
+        try:
+            self.kv_cache_skip_layers()
+        except ValueError:
+            problems.append(f"--kv-cache-dtype-skip-layers {self.kv_cache_dtype_skip_layers}: give layer indices "
+                            "separated by commas, e.g. 1 or 0,5")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             problems.append(f"--device {self.device}: choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
         for flag, value, low in (("--page-size", self.page_size, 1),
@@ -101,6 +109,14 @@ class EngineConfig:
             problems.append("--model-path is empty")
         if problems:
             raise SglxError("invalid engine options:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def kv_cache_skip_layers(self) -> tuple[int, ...]:
+        """--kv-cache-dtype-skip-layers as sorted unique layer indices (ValueError when malformed)."""
+        text = (self.kv_cache_dtype_skip_layers or "").strip()
+        layers = sorted({int(x) for x in text.split(",")}) if text else []
+        if any(i < 0 for i in layers):
+            raise ValueError(text)
+        return tuple(layers)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

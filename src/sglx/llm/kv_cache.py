@@ -171,6 +171,7 @@ class TokenKVPool:
         self.scales_pending = [False] * num_layers  # static scales still to be computed from the first store
         self.calibrating = False  # any(scales_pending), kept as one flag for the per-layer store path
         self.scale_source = "none" if self.fp8_dtype is None else "per_token" if self.per_token_scales else "one"
+        self.unquantized_layers: frozenset[int] = frozenset()  # fp8 pools: layers kept in the model dtype
         if self.per_token_scales:
             self.k_rotation = kv_rotation(head_dim, device)
             self.scale_multipliers = scale_multipliers(SCALE_SEARCH_STEPS, device)
@@ -183,10 +184,41 @@ class TokenKVPool:
     def is_fp8(self) -> bool:
         return self.fp8_dtype is not None
 
+    def layer_fp8_dtype(self, layer_id: int) -> torch.dtype | None:
+        """The fp8 format layer `layer_id` stores, or None where it keeps the model dtype (`keep_unquantized`)."""
+        return None if layer_id in self.unquantized_layers else self.fp8_dtype
+
     def bytes_per_token(self) -> int:
-        elem = 1 if self.is_fp8 else torch.tensor([], dtype=self.dtype).element_size()
+        model_elem = torch.tensor([], dtype=self.dtype).element_size()
         scales = 2 * 4 if self.per_token_scales else 0  # float32 K and V scale per head
-        return self.num_layers * self.num_kv_heads * ((self.head_dim + self.v_head_dim) * elem + scales)
+        return sum(self.num_kv_heads * ((self.head_dim + self.v_head_dim) * (
+            1 if self.layer_fp8_dtype(i) is not None else model_elem) + scales) for i in range(self.num_layers))
+
+    def keep_unquantized(self, layers: tuple[int, ...]) -> None:
+        """Store these layers' K/V in the model dtype, the rest fp8 (vLLM's `kv_cache_dtype_skip_layers`).
+
+        For pools with one static scale per layer (FlashInfer, XQA): a layer whose keys need more than e4m3's 3
+        mantissa bits (the embedded model's layer 1) loses recall at any static scale, and kernels that take one
+        scalar scale cannot use per-token ones. Keys of such layers are still stored rotated when the pool rotates
+        keys, so one query rotation serves every layer. Only before anything is stored.
+        """
+        if not self.is_fp8 or not layers:
+            return
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise SglxError(f"--kv-cache-dtype-skip-layers {','.join(map(str, bad))}: the model has layers "
+                            f"0..{self.num_layers - 1}")
+        if self.per_token_scales:
+            raise SglxError("--kv-cache-dtype-skip-layers applies to fp8 pools with one scale per layer "
+                            "(--kv-cache-scales calibrate or one, or checkpoint scales); per-token scales keep "
+                            "every layer's accuracy without it")
+        self.unquantized_layers = frozenset(layers)
+        for i in self.unquantized_layers:
+            self.k_buffer[i] = torch.zeros(self.k_buffer[i].shape, dtype=self.dtype, device=self.device)
+            self.v_buffer[i] = torch.zeros(self.v_buffer[i].shape, dtype=self.dtype, device=self.device)
+            self.k_scale[i] = self.v_scale[i] = 1.0
+            self.scales_pending[i] = False
+        self.calibrating = any(self.scales_pending)
 
     def set_static_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         """Use one fixed K and one V scale per layer (a checkpoint's `k_scale`/`v_scale`) instead of per-token ones.
@@ -219,8 +251,8 @@ class TokenKVPool:
         self.k_rotation = kv_rotation(self.head_dim, self.device) if rotate_keys else None
         self.k_scale = [1.0] * self.num_layers
         self.v_scale = [1.0] * self.num_layers
-        self.scales_pending = [True] * self.num_layers
-        self.calibrating = True
+        self.scales_pending = [i not in self.unquantized_layers for i in range(self.num_layers)]
+        self.calibrating = any(self.scales_pending)
         self.scale_source = "calibrated_rotated" if rotate_keys else "calibrated"
 
     def calibrate_layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -245,6 +277,8 @@ class TokenKVPool:
             out["pending"] = any(self.scales_pending)
             out["k_scale"] = [round(float(x), 6) for x in self.k_scale]
             out["v_scale"] = [round(float(x), 6) for x in self.v_scale]
+            if self.unquantized_layers:
+                out["unquantized_layers"] = sorted(self.unquantized_layers)
         return out
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -253,16 +287,17 @@ class TokenKVPool:
             return q
         return (q.float() @ self.k_rotation).to(q.dtype)
 
-    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.fp8_dtype is None:
+    def _encode(self, x: torch.Tensor, scale: float, layer_id: int | None = None) -> torch.Tensor:
+        fp8 = self.fp8_dtype if layer_id is None else self.layer_fp8_dtype(layer_id)
+        if fp8 is None:
             return x.to(self.dtype)
         scaled = x.float() / scale if scale != 1.0 else x.float()
-        return scaled.to(self.fp8_dtype).view(torch.uint8)
+        return scaled.to(fp8).view(torch.uint8)
 
     def decode(self, stored: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Stored K or V rows back in compute dtype (dequantized for fp8)."""
+        """Stored K or V rows back in compute dtype (dequantized for fp8; rows of the model dtype as they are)."""
         dtype = dtype or self.dtype
-        if self.fp8_dtype is None:
+        if self.fp8_dtype is None or stored.dtype != torch.uint8:
             return stored.to(dtype)
         values = stored.view(self.fp8_dtype).to(torch.float32)
         return (values * scale if scale != 1.0 else values).to(dtype)
@@ -281,8 +316,8 @@ class TokenKVPool:
             self.calibrate_layer(layer_id, k, v)
         if self.k_rotation is not None:
             k = k.float() @ self.k_rotation
-        self.k_buffer[layer_id][loc] = self._encode(k, self.k_scale[layer_id])
-        self.v_buffer[layer_id][loc] = self._encode(v, self.v_scale[layer_id])
+        self.k_buffer[layer_id][loc] = self._encode(k, self.k_scale[layer_id], layer_id)
+        self.v_buffer[layer_id][loc] = self._encode(v, self.v_scale[layer_id], layer_id)
 
     def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

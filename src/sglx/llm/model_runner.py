@@ -238,6 +238,18 @@ class ModelRunner:
             # one scale per layer (FlashInfer, XQA): from the first prefill over rotated keys, then frozen
             # (embedded model, e4m3: 85-88.5% recall vs 52-54% with 1.0; docs/benchmarks.md)
             pool.calibrate_static_scales(rotate_keys=True)
+        skip = self.config.kv_cache_skip_layers()
+        if skip and pool.is_fp8:  # layers kept in the model dtype; every selected backend must read such a pool
+            if not hasattr(pool, "keep_unquantized"):
+                raise SglxError("--kv-cache-dtype-skip-layers: not available for MLA models (one latent pool); "
+                                "drop the flag")
+            unable = sorted(spec.name for spec in specs
+                            if spec is not None and not getattr(spec.load(), "kv_dtype_per_layer", False))
+            if unable:
+                raise SglxError(f"--kv-cache-dtype-skip-layers {','.join(map(str, skip))}: attention backend "
+                                f"{', '.join(unable)} reads every layer's KV in one dtype; use flashinfer, "
+                                "trtllm_mha or torch_native, or drop the flag")
+            pool.keep_unquantized(skip)
         if pool.is_fp8:
             log.info("fp8 KV scales: %s", pool.describe_scales())
         return pool

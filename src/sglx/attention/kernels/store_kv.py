@@ -72,8 +72,9 @@ def store_kv_to_pool(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc:
     if not pool.per_token_scales:
         if getattr(pool, "k_rotation", None) is not None:  # static scales, rotated keys (calibrate_static_scales)
             k = k.float() @ pool.k_rotation
+        fp8_dtype = pool.layer_fp8_dtype(layer_id) if hasattr(pool, "layer_fp8_dtype") else pool.fp8_dtype
         store_kv(k, v, pool.k_buffer[layer_id], pool.v_buffer[layer_id], loc, pool.k_scale[layer_id],
-                 pool.v_scale[layer_id], pool.fp8_dtype)
+                 pool.v_scale[layer_id], fp8_dtype)  # None for a layer kept in the model dtype
         return
     from sglx.llm.kv_cache import MIN_SCALE
 

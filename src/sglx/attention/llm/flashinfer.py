@@ -115,15 +115,17 @@ def layer_scales(pool: Any, layer_id: int) -> tuple[float | None, float | None]:
 
 @dataclass(frozen=True)
 class LayerKind:
-    """What a plan fixes besides the batch: layers that share these share one plan per step."""
+    """What a plan fixes besides the batch: layers that share these share one plan per step (the KV dtype too:
+    fp8 pools may keep some layers in the model dtype, `TokenKVPool.keep_unquantized`)."""
 
     window_left: int
     logit_cap: float
     scaling: float
+    kv_dtype: torch.dtype | None = None  # None: the backend's pool-wide KV dtype
 
     @staticmethod
-    def of(layer: LayerSpec) -> LayerKind:
-        return LayerKind(window_left(layer), float(layer.logit_cap or 0.0), float(layer.scaling))
+    def of(layer: LayerSpec, kv_dtype: torch.dtype | None = None) -> LayerKind:
+        return LayerKind(window_left(layer), float(layer.logit_cap or 0.0), float(layer.scaling), kv_dtype)
 
 
 @dataclass
@@ -154,6 +156,7 @@ class GraphState:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    kv_dtype_per_layer = True  # plans per KV dtype: fp8 pools with layers kept in the model dtype
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -173,6 +176,8 @@ class FlashInferBackend(AttentionBackend):
             ctx.num_q_heads, ctx.num_kv_heads, self.kv_dtype))
         # FA3 (Hopper) prefill reads q and KV of one dtype; paged prefill over fp8 KV runs FlashInfer's FA2 template
         self.prefill_backend = "fa2" if self.kv_dtype != ctx.dtype else "auto"
+        # fp8 pools may keep some layers in the model dtype (--kv-cache-dtype-skip-layers): those get plans of their own
+        self.unquantized_layers: frozenset[int] = frozenset(getattr(pool, "unquantized_layers", ()))
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.kinds: list[LayerKind] = []  # every layer kind seen so far, planned each step
         self.wrappers: dict[tuple[str, LayerKind], Any] = {}
@@ -215,12 +220,18 @@ class FlashInferBackend(AttentionBackend):
         for kind in self.kinds:
             self._plan(meta, kind)
 
-    def _new_wrapper(self, phase: str, graph_bs: int | None = None) -> Any:
+    def layer_kv_dtype(self, layer_id: int) -> torch.dtype:
+        """The dtype FlashInfer reads layer `layer_id`'s pages as: the pool's fp8 format, or the model dtype for a
+        layer the pool keeps unquantized."""
+        return self.ctx.dtype if layer_id in self.unquantized_layers else self.kv_dtype
+
+    def _new_wrapper(self, phase: str, graph_bs: int | None = None, kv_dtype: torch.dtype | None = None) -> Any:
         fi, ws = self.fi, self.workspace
         if phase == "ragged":
             return fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")  # this step's K/V: q's dtype, FA3 on Hopper
         if phase == "paged":
-            return fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+            backend = self.prefill_backend if kv_dtype in (None, self.kv_dtype) else "auto"
+            return fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         if graph_bs is None:
             return fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=self.tensor_core_decode)
         g = self.graph
@@ -239,7 +250,7 @@ class FlashInferBackend(AttentionBackend):
                 g.wrappers[key] = self._new_wrapper("decode", meta.graph_bs)
             return g.wrappers[key]
         if (meta.phase, kind) not in self.wrappers:
-            self.wrappers[(meta.phase, kind)] = self._new_wrapper(meta.phase)
+            self.wrappers[(meta.phase, kind)] = self._new_wrapper(meta.phase, kv_dtype=kind.kv_dtype)
         return self.wrappers[(meta.phase, kind)]
 
     def _plan(self, meta: StepMeta, kind: LayerKind) -> None:
@@ -249,26 +260,27 @@ class FlashInferBackend(AttentionBackend):
             self.plan_fence.before()
         common = dict(window_left=kind.window_left, logits_soft_cap=kind.logit_cap, sm_scale=kind.scaling,
                       q_data_type=ctx.dtype)
+        kv_dtype = kind.kv_dtype or self.kv_dtype
         if meta.phase == "ragged":
             wrapper.plan(meta.qo_indptr, meta.kv_indptr, ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim,
                          head_dim_vo=self.v_head_dim, causal=True, kv_data_type=ctx.dtype, **common)
         elif meta.phase == "paged":
             wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.indices, meta.last_page_len, ctx.num_q_heads,
                          ctx.num_kv_heads, ctx.head_dim, self.page_size, head_dim_vo=self.v_head_dim, causal=True,
-                         kv_data_type=self.kv_dtype, **common)
+                         kv_data_type=kv_dtype, **common)
         else:
             indices = meta.indices
             if meta.graph_bs is not None:  # the graph's own kernel fills the fixed indices buffer
                 indices = meta.indices[:0]
             wrapper.plan(meta.kv_indptr, indices, meta.last_page_len, ctx.num_q_heads, ctx.num_kv_heads,
-                         ctx.head_dim, self.page_size, kv_data_type=self.kv_dtype, **common)
+                         ctx.head_dim, self.page_size, kv_data_type=kv_dtype, **common)
         meta.planned.add(kind)
         self.plan_fence.after()
 
     def _planned_wrapper(self, layer: LayerSpec) -> Any:
         meta = self.meta
         assert meta is not None, "init_forward_metadata(batch) must run first"
-        kind = LayerKind.of(layer)
+        kind = LayerKind.of(layer, self.ctx.dtype if layer.layer_id in self.unquantized_layers else None)
         if kind not in self.kinds:
             self.kinds.append(kind)
         if kind not in meta.planned:
@@ -289,8 +301,9 @@ class FlashInferBackend(AttentionBackend):
         """The layer's K and V buffers as FlashInfer NHD pages [pages, page_size, Hkv, D] (views, no copy)."""
         pool = batch.token_kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
-        if self.kv_dtype != k.dtype:
-            k, v = k.view(self.kv_dtype), v.view(self.kv_dtype)
+        kv_dtype = self.layer_kv_dtype(layer.layer_id)
+        if kv_dtype != k.dtype:
+            k, v = k.view(kv_dtype), v.view(kv_dtype)
         ps = self.page_size
         return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
 

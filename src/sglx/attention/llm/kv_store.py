@@ -61,5 +61,5 @@ def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     i = layer.layer_id
     apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
                             pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                            pool.fp8_dtype)
+                            pool.layer_fp8_dtype(i) if hasattr(pool, "layer_fp8_dtype") else pool.fp8_dtype)
     return True

@@ -90,6 +90,7 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_cuda_graph = False
     kv_scales_per_token = True
+    kv_dtype_per_layer = True  # reads through TokenKVPool.get_kv, which decodes each layer in its own dtype
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.meta = step_metadata(batch)
