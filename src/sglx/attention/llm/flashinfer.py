@@ -17,7 +17,8 @@ fp8 KV: one K and one V scale per layer, FlashInfer's contract: the checkpoint's
 default, `--kv-cache-scales auto`) scales computed from the first prefill batch over rotated keys, then frozen
 (`TokenKVPool.calibrate_static_scales`; queries on the paged paths are rotated the same way, `paged_query`),
 or 1.0 with `--kv-cache-scales one`. A pool set up for per-token scales is switched to calibrated static ones
-when the backend is built (before anything is stored).
+when the backend is built (before anything is stored). Layers the pool keeps in the model dtype
+(`--kv-cache-dtype-skip-layers`) are a layer kind of their own: their own plans, pages read as the model dtype.
 
 Plans are made once per step in `init_forward_metadata`, one per distinct layer kind (sliding window,
 soft cap, scale: Qwen2 / Mistral style models mix windowed and full layers); a kind is learned the first
