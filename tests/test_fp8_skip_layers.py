@@ -106,3 +106,23 @@ def test_registry_feature_matches_what_the_engine_checks():
         declared[name] = (spec.features.fp8_kv_dtype_per_layer, getattr(spec.load(), "kv_dtype_per_layer", False))
     assert {n for n, (feature, _) in declared.items() if feature} == {"flashinfer", "trtllm_mha", "torch_native"}
     assert all(feature == attr for feature, attr in declared.values()), declared
+
+
+def test_checkpoint_scales_with_a_layer_kept(tmp_path):
+    """A checkpoint's k_scale/v_scale still apply to the fp8 layers; the kept layer reads back unscaled."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.engine import Engine
+    from test_fp8_kv_scales import _add_kv_scales, json_layers
+
+    path = make_tiny_model(tmp_path, "llama")
+    layers = json_layers(path)
+    _add_kv_scales(path, {f"model.layers.{i}.self_attn.{kind}_scale": 0.02 + 0.01 * i
+                          for i in range(layers) for kind in ("k", "v")})
+    with Engine(model_path=str(path), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="0",
+                max_total_tokens=512, attention_backend="torch_native") as eng:
+        pool = eng.runner.token_kv_pool
+        out = eng.generate(input_ids=list(range(3, 30)), sampling_params={"max_new_tokens": 2, "temperature": 0.0})
+        assert len(out["output_ids"]) == 2
+        assert pool.scale_source == "checkpoint" and pool.unquantized_layers == frozenset({0})
+        assert pool.k_scale == [1.0] + [pytest.approx(0.02 + 0.01 * i) for i in range(1, layers)]
+        assert pool.k_buffer[0].dtype == torch.float32 and pool.k_buffer[1].dtype == torch.uint8
