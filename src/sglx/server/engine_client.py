@@ -45,6 +45,15 @@ class EngineStartError(SglxError):
     """The engine process could not start (bad flags, missing weights, ...): its one-line reason."""
 
 
+class EngineExited(Exception):
+    """The engine process left without serving, as it was meant to: a tensor-parallel rank > 0 started by
+    torchrun serves rank 0 from inside Engine() and then exits. The server exits with `code` too."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the engine process exited with code {code}")
+        self.code = code
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "is not answering"
@@ -123,6 +132,9 @@ class EngineClient:
                     return dict(message[1])
                 if message[0] == "failed":
                     raise (SglxError if message[2] else EngineStartError)(message[1])
+                if message[0] == "exit":
+                    process.wait(10.0)
+                    raise EngineExited(int(message[1]))
                 code = process.wait(10.0)
                 raise EngineStartError(f"the engine process {describe_exit(code)} while starting (its log is above)")
             if process.poll() is not None:

@@ -7,7 +7,8 @@ scheduler process). The two talk over one socket pair with multiprocessing.conne
     HTTP -> engine   ("start", EngineConfig, log_level), then ("submit", key, input_ids, SamplingParams,
                      return_logprob, top_logprobs), ("abort", key), ("call", call_id, "load"|"info"|"flush"|"health"),
                      ("shutdown",)
-    engine -> HTTP   ("ready", facts) or ("failed", message, usage_error), then ("out", [(key, chunk dict), ...])
+    engine -> HTTP   ("ready", facts), ("failed", message, usage_error) or ("exit", code), then
+                     ("out", [(key, chunk dict), ...])
                      once per scheduler step, ("rejected", key, message), ("reply", call_id, ok, value), ("stopped",)
 
 Requests are token ids (the HTTP process tokenizes); text is detokenized here, in the scheduler loop, as in the
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         from sglx.server.runner import warm_up
 
         engine = Engine(config)
+    except SystemExit as exc:  # a tensor-parallel rank > 0 that torchrun started: it served rank 0, now it leaves
+        code = exc.code if isinstance(exc.code, int) else 1
+        with contextlib.suppress(OSError):
+            conn.send(("exit", code))
+        return code
     except BaseException as exc:
         _report_start_failure(conn, exc)
         return 1

@@ -109,10 +109,13 @@ def _serve(app: Any, config: ServerConfig, engine: Any = None) -> int:
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Blocking: serve until SIGINT/SIGTERM; returns the process exit code."""
     from sglx.server.app import create_app
-    from sglx.server.engine_client import EngineClient
+    from sglx.server.engine_client import EngineClient, EngineExited
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = EngineClient.start(engine_config, config.log_level)  # loads and warms up (warm_up) the model
+    try:
+        engine = EngineClient.start(engine_config, config.log_level)  # loads and warms up (warm_up) the model
+    except EngineExited as exc:  # torchrun's rank > 0: it served rank 0's engine and is done
+        return exc.code
     try:
         app = create_app(engine, config, shutdown_engine=True)
         for line in startup_lines(engine.info, app.state.sglx.model_name, config):
