@@ -1,8 +1,9 @@
 """The HTTP process's side of `sglx serve`: the engine runs in a child process (sglx.server.engine_process).
 
 In one process the HTTP event loop (SSE writes, request parsing) and the scheduler loop took turns on one GIL,
-so every step waited for the server's per-token work (serving reached 0.61-0.66x of the offline engine on CPU,
-docs/benchmarks.md). Here the scheduler runs in its own interpreter; this process tokenizes, validates, streams.
+so steps waited for the server's per-token work. Here the scheduler runs in its own interpreter; this process
+tokenizes, validates and streams (CPU, interleaved A/B: 0.90-0.94x of the offline engine's throughput at the
+median against 0.71-0.72x in one process; docs/benchmarks.md).
 
 A reader thread takes the engine's messages (one per scheduler step) and hands each request's chunks to its
 event loop through a LoopMailbox (one wake-up per step). If the engine process dies, every open request ends
@@ -112,13 +113,13 @@ class EngineClient:
         try:
             conn.send(("start", config, log_level))
             facts = cls._wait_ready(process, conn)
+            return cls(process, conn, facts, config)  # loads the tokenizer, then starts reading
         except BaseException:
             conn.close()
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()  # it may be loading weights, not reading the socket
             _stop_process(process, 10.0)
             raise
-        return cls(process, conn, facts, config)
 
     @staticmethod
     def _wait_ready(process: subprocess.Popen, conn: Connection) -> dict[str, Any]:
