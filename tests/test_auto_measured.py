@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # (raw report, date for reports that carry none): what the packaged sm90-h100 record is built from
 SOURCES = (("bench_attention_h100_final.json", None), ("bench_flashinfer_trtllm_decode_h100.json", None),
-           ("bench_fa4_llm_h100_run1.json", "2026-11-23"), ("mla_decode_h100_session4_sweep.json", "2026-11-23"))
+           ("bench_fa4_llm_h100_run1.json", "2026-11-23"), ("mla_decode_h100_session4_sweep.json", "2026-11-23"),
+           ("bench_attention_prefill_h100_s6.json", None), ("bench_attention_decode_b1_h100_s6.json", None),
+           ("mla_decode_b64_h100_s6.json", "2026-11-23 17:41:00"))
 H100 = "NVIDIA H100 80GB HBM3"
 LENT_H100_PACKAGES = ("flashinfer", "flash_attn.cute", "triton")  # what the lent H100 can carry (no fa3)
 MHA = ModelTraits(head_dim=128, dtype="bfloat16")
@@ -93,29 +95,47 @@ def accurate_fp8(kind: str, times: dict[str, float], kv: str) -> dict[str, float
     return keep or times
 
 
+# (kind, phase, shape, page size, KV dtype) where auto's pick has no median at that page size -> (pick, the page
+# size whose median stands in). The session-6 run that would have timed flashinfer's B64 decode at page 128 ran
+# out of time; FlashInfer's decode does not move with the page size where both were timed (B1 ctx 4096: 0.0213 ms
+# at page 64, 0.0215 at 128; ctx 32768: 0.0668 at both).
+UNMEASURED_PICKS = {("mha", "decode", "B64 H32/8 D128 ctx 4096", 128, "auto"): ("flashinfer", 64)}
+
+
 @pytest.mark.parametrize(("kind", "phase", "shape", "page", "kv"), _recorded_shapes())
 def test_auto_within_5pct_of_the_fastest_recorded_on_each_shape(kind, phase, shape, page, kv) -> None:  # type: ignore[no-untyped-def]
     """Asked at a recorded shape's page size and KV dtype, auto lands on a backend measured there, within 5% of
-    the fastest recorded backend that can run here."""
+    the fastest recorded backend that can run here (or, for the one listed gap, its median at another page size
+    is within 5%)."""
     snap = h100()
     sel = select_llm(snap, MLA if kind == "mla" else MHA, LLMBackendArgs(page_size=page, kv_cache_dtype=kv))
     times = {e["backend"]: e["median_ms"] for e in sorted(entries_for(kind, phase, shape, kv, page),
                                                           key=lambda e: e["date"])}  # newest run of a backend wins
     runnable = accurate_fp8(kind, {name: ms for name, ms in times.items() if runs(snap, kind, name, page, kv)}, kv)
     pick = picked(sel, phase)
-    assert pick in runnable, (pick, runnable)
-    assert runnable[pick] <= 1.05 * min(runnable.values()), (pick, runnable)
+    gap = UNMEASURED_PICKS.get((kind, phase, shape, page, kv))
+    if gap is None:
+        assert pick in runnable, (pick, runnable)
+        assert runnable[pick] <= 1.05 * min(runnable.values()), (pick, runnable)
+    else:
+        assert pick == gap[0] and pick not in runnable, (pick, runnable)
+        stand_in = entries_for(kind, phase, shape, kv, gap[1])
+        assert min(e["median_ms"] for e in stand_in if e["backend"] == pick) <= 1.05 * min(runnable.values())
     assert sel.source == "auto" and sel.page_size == page and sel.measured
 
 
 # kv cache dtype -> (prefill, decode, page size) with no page size given, on the lent H100's packages
 DEFAULT_PICKS = {"auto": ("fa4", "flashinfer", 128), "fp8_e4m3": ("triton", "triton", 1)}
+# (kv, phase, shape) -> how far (x the fastest at any page size) the default pair may be, and why: one page size
+# serves both phases, and no pair is within 5% everywhere. trtllm_mha decodes B1 ctx 4096 fastest (0.0193 ms;
+# flashinfer 0.0213) but needs a page size of at most 64, where prefill with a 4k prefix is 1.21x fa4's at 128.
+OVER_5PCT = {("auto", "decode", "B1 H32/8 D128 ctx 4096"): 1.11}
 
 
 @pytest.mark.parametrize("kv", list(DEFAULT_PICKS))
 def test_auto_without_a_page_size(kv: str) -> None:
     """auto also picks the page size; on each recorded shape its pick is within 5% of the fastest recorded (at any
-    page size), or not measured there: the only such gap is fa4 on prefill with a 4k prefix."""
+    page size), except where OVER_5PCT says why not."""
     snap = h100()
     sel = select_llm(snap, MHA, LLMBackendArgs(kv_cache_dtype=kv))
     assert (sel.prefill, sel.decode, sel.page_size) == DEFAULT_PICKS[kv]
@@ -133,8 +153,10 @@ def test_auto_without_a_page_size(kv: str) -> None:
             if pick not in best:
                 gaps.add((phase, shape, pick))
             else:
-                assert best[pick] <= 1.05 * min(best.values()), (phase, shape, best)
-    assert gaps == ({("prefill", "B4 H32/32 D128 4096+512 causal", "fa4")} if kv == "auto" else set())
+                bound = OVER_5PCT.get((kv, phase, shape), 1.05)
+                assert best[pick] <= bound * min(best.values()), (phase, shape, best)
+                assert bound == 1.05 or best[pick] > 1.05 * min(best.values()), "a stale OVER_5PCT entry"
+    assert gaps == set()
 
 
 def test_mla_on_hopper_takes_flashinfer_measured_fastest() -> None:
@@ -142,7 +164,7 @@ def test_mla_on_hopper_takes_flashinfer_measured_fastest() -> None:
     assert (sel.prefill, sel.decode, sel.page_size) == ("flashinfer", "flashinfer", 1)
     decode = next(r for r in sel.measured if r.phase == "decode")
     assert [r.backend for r in decode.ranked] == ["flashinfer", "triton"]
-    assert decode.ranked[1].worst_ratio == pytest.approx(0.3299040049314499 / 0.1552319973707199)
+    assert decode.ranked[1].worst_ratio == pytest.approx(2.1292187247455407)  # session 6's default launch
     prefill = next(r for r in sel.measured if r.phase == "prefill")
     assert not prefill.ranked and "SGLang's order" in prefill.basis  # no MLA prefill was measured
     no_fi = select_llm(h100(("flash_attn.cute", "triton")), MLA, LLMBackendArgs())
@@ -150,15 +172,17 @@ def test_mla_on_hopper_takes_flashinfer_measured_fastest() -> None:
 
 
 @pytest.mark.parametrize(("packages", "args", "expected"), [
-    pytest.param(("flashinfer", "triton"), LLMBackendArgs(), ("triton", "flashinfer", 1), id="no-fa4"),
+    pytest.param(("flashinfer", "triton"), LLMBackendArgs(), ("flashinfer", "trtllm_mha", 64), id="no-fa4"),
     pytest.param(("flash_attn.cute", "triton"), LLMBackendArgs(kv_cache_dtype="fp8_e4m3"), ("triton", "triton", 1),
                  id="fp8-no-flashinfer"),
     pytest.param(("triton",), LLMBackendArgs(), ("triton", "triton", 1), id="triton-only"),
-    pytest.param(("flashinfer", "triton"), LLMBackendArgs(page_size=64), ("triton", "flashinfer", 64), id="page64"),
+    pytest.param(("flashinfer", "triton"), LLMBackendArgs(page_size=64), ("flashinfer", "trtllm_mha", 64),
+                 id="page64"),
 ])
 def test_when_the_fastest_is_missing_the_next_measured_wins(packages, args, expected) -> None:  # type: ignore[no-untyped-def]
-    """Without fa4, decode falls to flashinfer (1.011x of fa4), not to an unmeasured backend; prefill goes to
-    triton, measured, before flashinfer, whose sglx prefill was never measured."""
+    """Without fa4 (the flashinfer wheel brings trtllm_mha), decode goes to trtllm_mha (worst 1.028x: fastest at
+    B1, 1.028x flashinfer at B64) and prefill to flashinfer (a 2% tie with trtllm_mha: SGLang's order); with
+    flashinfer missing too, triton, measured, before anything unmeasured."""
     sel = select_llm(h100(packages), MHA, args)
     assert (sel.prefill, sel.decode, sel.page_size) == expected
     assert sel.source == "auto" and "measured on sm90-h100" in sel.why
@@ -168,9 +192,9 @@ def test_when_the_fastest_is_missing_the_next_measured_wins(packages, args, expe
     pytest.param(LLMBackendArgs(attention_backend="triton"), ("triton", "triton", 1, "explicit"), id="both"),
     pytest.param(LLMBackendArgs(attention_backend="flashinfer", page_size=16), ("flashinfer", "flashinfer", 16,
                                                                                 "explicit"), id="flashinfer"),
-    pytest.param(LLMBackendArgs(decode_attention_backend="trtllm_mha"), ("triton", "trtllm_mha", 64, "mixed"),
+    pytest.param(LLMBackendArgs(decode_attention_backend="trtllm_mha"), ("flashinfer", "trtllm_mha", 64, "mixed"),
                  id="decode-fixed-prefill-avoids-fa4-page-128"),
-    pytest.param(LLMBackendArgs(prefill_attention_backend="triton"), ("triton", "flashinfer", 1, "mixed"),
+    pytest.param(LLMBackendArgs(prefill_attention_backend="triton"), ("triton", "trtllm_mha", 64, "mixed"),
                  id="prefill-fixed"),
 ])
 def test_explicit_flags_win(args: LLMBackendArgs, expected: tuple) -> None:
@@ -225,17 +249,18 @@ def test_doctor_explains_the_pick() -> None:
     mha = next(s for s in report["sections"] if s["kind"] == "mha")["auto"]
     assert mha["backend"] == "hybrid (prefill=fa4, decode=flashinfer)" and "measured on sm90-h100" in mha["why"]
     decode = next(m for m in mha["measured"] if m["phase"] == "decode")
-    # fa4 is 1.1% faster across runs: within the 2% tie margin, so SGLang's order puts flashinfer first
-    assert [r["backend"] for r in decode["ranked"]][:2] == ["flashinfer", "fa4"]
-    assert decode["ranked"][1]["shapes"][0]["source"] == "benchmarks/results/bench_fa4_llm_h100_run1.json"
+    # prefill picks first (fa4 needs page 128, which rules trtllm_mha out of decode); fa4 decodes B1 4.6-5x slower
+    assert [r["backend"] for r in decode["ranked"]] == ["flashinfer", "triton", "fa4", "torch_native"]
+    assert decode["ranked"][0]["shapes"][0]["source"] == "benchmarks/results/bench_attention_decode_b1_h100_s6.json"
+    assert "prefill chosen first" in mha["why"]
     json.dumps(report)
     console = Console(width=400, record=True)
     render(report, console)
     text = console.export_text()
-    assert "fa4: worst 1.000x of the fastest; B64 H32/8 D128 ctx 4096 page 128: 0.3680 ms (fastest)" in text
+    assert "fa4: worst 1.004x of the fastest; B4 H32/32 D128 0+4096 causal page 128: 0.9603 ms" in text
     assert "flashinfer: worst 1.011x" in text and "bench_flashinfer_trtllm_decode_h100.json" in text
-    assert "not measured on B4 H32/32 D128 4096+512 causal" in text
-    assert "triton: worst 2.125x of the fastest; B64 H128 latent 512+64 ctx 4096 page 1: 0.3299 ms" in text
+    assert "fa4: worst 5.043x of the fastest" in text
+    assert "triton: worst 2.129x of the fastest; B64 H128 latent 512+64 ctx 4096 page 1: 0.3301 ms" in text
 
 
 def test_fp8_auto_keeps_accuracy_and_says_what_it_costs() -> None:

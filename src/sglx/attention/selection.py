@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from sglx.attention.measured.ranking import PhaseRanking, rank_phase
+from sglx.attention.measured.ranking import TIE_MARGIN, PhaseRanking, global_worst_ratio, rank_phase
 from sglx.attention.measured.record import Record, gpu_class, record_for
 from sglx.attention.registry import (
     BackendSpec,
@@ -300,6 +300,46 @@ def _auto_measured(
     return picks, why, tuple(considered.values()), tuple(rankings)
 
 
+def _joint_score(snap: PlatformSnapshot, req: AttentionRequest, record: Record, picks: dict[str, str],
+                 runnable: list[str]) -> float:
+    """Both phases' picks at the page size they share, each against the fastest `runnable` backend at any page
+    size: the worse phase's worst ratio (inf when a pick has no measurement at that page size)."""
+    specs = [s for s in (find(name, "llm", req.kind) for name in picks.values()) if s is not None]
+    try:
+        page = _page_size(specs, snap, None)
+    except BackendUnavailableError:
+        return float("inf")
+    scores = [global_worst_ratio(record, req.kind, phase, req.kv_cache_dtype, name, page, runnable)
+              for phase, name in picks.items()]
+    return max((s if s is not None else float("inf")) for s in scores)
+
+
+def _auto_measured_joint(
+    snap: PlatformSnapshot, req: AttentionRequest, record: Record, fixed: tuple[tuple[str, BackendSpec], ...],
+    phases: tuple[str, ...],
+) -> tuple[dict[str, str], str, tuple[Considered, ...], tuple[PhaseRanking, ...]]:
+    """Both phases auto and no page size given: whichever phase picks first binds the other's page size, so
+    try decode first and prefill first and keep the pair whose worse phase is nearer its unconstrained best
+    (decode first on a tie within the ranking's margin)."""
+    first = _auto_measured(snap, req, record, fixed, phases)
+    if req.page_size is not None or len(phases) < 2:
+        return first
+    try:
+        second = _auto_measured(snap, req, record, fixed, tuple(reversed(phases)))
+    except BackendUnavailableError:
+        return first
+    if second[0] == first[0]:
+        return first
+    # a backend ruled out only by the other phase's pick still sets the bar: either order could have had it
+    runnable = list(dict.fromkeys(c.name for c in (*first[2], *second[2]) if c.ok))
+    a, b = (_joint_score(snap, req, record, first[0], runnable), _joint_score(snap, req, record, second[0], runnable))
+    if b * (1.0 + TIE_MARGIN) < a:
+        why = (f"{second[1]}; {phases[-1]} chosen first: its page size costs the other phase less (worst "
+               f"{b:.3f}x of the fastest at any page size, against {a:.3f}x with {phases[0]} first)")
+        return second[0], why, second[2], second[3]
+    return first
+
+
 def _no_record_note(snap: PlatformSnapshot) -> str:
     cls = gpu_class(snap)
     return f"; no measured record for {cls}, so SGLang's order" if cls else ""
@@ -359,7 +399,7 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
             why += _no_record_note(snap)
         else:
             phases = tuple(p for p in ("decode", "prefill") if f"--{p}-attention-backend" not in explicit)
-            picks, why, considered, measured = _auto_measured(snap, req, record, fixed, phases)
+            picks, why, considered, measured = _auto_measured_joint(snap, req, record, fixed, phases)
     prefill = explicit.get("--prefill-attention-backend", (None,))[0]
     decode = explicit.get("--decode-attention-backend", (None,))[0]
     prefill = prefill.name if prefill else picks.get("prefill", base_name)

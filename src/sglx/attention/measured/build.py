@@ -63,10 +63,14 @@ def _mla_sweep(data: dict[str, Any], source: str, date: str | None) -> list[Meas
         routes = res["routes"]
         flashinfer = next(r for r in routes if r["route"] == "flashinfer")  # timed first (and again last)
         triton = next(r for r in routes if r["route"] == res["best_triton_route"])
+        as_default = ("timed as the default launch" if triton["route"].endswith("(default)")
+                      else "the launch sglx's triton MLA uses by default since this sweep "
+                           "(not re-timed as the default)")
         for name, route, note in (
                 ("flashinfer", flashinfer, "MLA decode sweep: FlashInfer's first timing"),
-                ("triton", triton, f"MLA decode sweep: {triton['route']}, the launch sglx's triton MLA "
-                                   "uses by default since this sweep (not re-timed as the default)")):
+                ("triton", triton, f"MLA decode sweep: {triton['route']}, {as_default}")):
+            if "ms" not in route:  # a route that could not run here (FlashInfer MLA takes no fp8 latents)
+                continue
             out.append(Measurement("mla", "decode", label, int(res["page_size"]), res["kv_cache_dtype"], name,
                                    float(route["ms"]), source, date, data["device"], note))
     return out

@@ -135,3 +135,25 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
              else f"no {kind.upper()} {phase} is recorded for {record.gpu_class} among the backends that run, "
                   "so SGLang's order")
     return PhaseRanking(phase, record.gpu_class, record.origin, basis, tuple(ranked), unmeasured)
+
+
+def global_worst_ratio(record: Record, kind: str, phase: str, kv_cache_dtype: str, backend: str, page_size: int,
+                       runnable: Sequence[str]) -> float | None:
+    """`backend` at `page_size` against the fastest runnable backend at ANY page size, worst over the phase's
+    recorded shapes where it was measured at that page size (None: measured on none of them).
+
+    Why: prefill and decode share one page size, so a pick that is fastest at its own page size can still
+    cost the other phase a slower page size; comparing both against the unconstrained best shows the cost."""
+    pool = [e for e in record.entries if e.kind == kind and e.phase == phase and e.backend in runnable]
+    if kv_cache_dtype != "auto" and not any(e.kv_cache_dtype == kv_cache_dtype for e in pool):
+        kv_cache_dtype = "auto"
+    pool = [e for e in pool if e.kv_cache_dtype == kv_cache_dtype]
+    best: dict[str, float] = {}
+    for e in pool:
+        best[e.shape] = min(best.get(e.shape, float("inf")), e.median_ms)
+    mine: dict[str, list[Measurement]] = {}
+    for e in pool:
+        if e.backend == backend and e.page_size == page_size:
+            mine.setdefault(e.shape, []).append(e)
+    ratios = [_latest(entries).median_ms / best[shape] for shape, entries in mine.items()]
+    return max(ratios) if ratios else None
