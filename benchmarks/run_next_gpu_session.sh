@@ -209,14 +209,19 @@ stage1() {  # correctness of the kernels that are defaults (bare install: triton
   fi
   ( OUT=$W/fi BENCH=0 TEST_LIMIT=$(lim 300) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 320)" \
       bash benchmarks/run_flashinfer_device.sh > "$W/fi.txt" 2>&1 ) &
+  groups="$!"
   ( OUT=$W/mla WHEELS=/nonexistent STAGES=tests TESTS_K="$S1_MLA_K" TESTS_TIMEOUT=$(lim 300) timeout "$(lim 320)" \
       bash benchmarks/run_mla_device.sh > "$W/mla.txt" 2>&1 ) &
+  groups="$groups $!"
   # shellcheck disable=SC2086
   ( PYTHONPATH=src:tests timeout "$(lim 300)" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 \
       $S1_BARE_TESTS -k "$S1_BARE_K" > "$W/bare.txt" 2>&1; echo "pytest rc=$?" >> "$W/bare.txt" ) &
+  groups="$groups $!"
   ( PYTHONPATH=src:tests:/tmp/site timeout "$(lim 200)" python3 -c "$PROBE_OVERLAP" > "$W/probe_overlap_flashinfer.txt" 2>&1
     echo "probe rc=$?" >> "$W/probe_overlap_flashinfer.txt" ) &
-  wait
+  groups="$groups $!"
+  # shellcheck disable=SC2086
+  wait $groups  # not a bare `wait`: that also waits for the training (session 6 lost its test budget to it)
   note "parallel groups took $((SECONDS - t0)) s"
   note "flashinfer/trtllm_mha tests (groups: $S1_FI_GROUPS):"
   sed 's/^/    /' "$W/fi/pytest_rc.txt" >> "$W/summary.txt" 2>/dev/null

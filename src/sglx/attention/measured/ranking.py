@@ -73,8 +73,7 @@ class PhaseRanking:
 
 
 # One median per backend, often from different runs, does not resolve a 2% difference; and the record holds few
-# shapes (decode only at B=64), so a near-tie should not hand the default to a backend with a known gap elsewhere
-# (fa4 has no split-KV on Hopper, so small-batch long-context decode underfills the GPU).
+# shapes, so a near-tie should not hand the default to a backend with a known gap on shapes not recorded.
 TIE_MARGIN = 0.02
 
 
