@@ -28,7 +28,7 @@ i=0
 IFS='|' read -ra groups <<< "$GROUPS_K"
 for k in "${groups[@]}"; do
   i=$((i + 1))
-  ( timeout "$TEST_LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/gpu/test_flashinfer_gpu.py -k "$k" \
+  ( timeout "$TEST_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE --durations=0 tests/gpu/test_flashinfer_gpu.py -k "$k" \
       > "$OUT/pytest_group$i.txt" 2>&1; echo "group $i [$k] rc=$?" >> "$OUT/pytest_rc.txt" ) &
 done
 wait
