@@ -25,6 +25,9 @@
 # 5     | [".whl/fvs", ".whl/fvx"]        | 540 | diffusion GPU tests, FA4 LSE probe, run_sparse_backends_device.sh PHASE=2
 #       |                                 |     | (sparse bench after the SVG2/VMoBA rework, fused k-means row), then the
 #       |                                 |     | first `sglx bench diffusion --attention-backend ...` GPU run
+# 6     | [".whl/shapes/diffusers-...whl"] | 600 | tiny-shapes training alone (TRAIN_SHAPES_S, default 360 s; TRAIN_SHAPES_ARGS),
+#       |                                 |     | GPU judgement after it; model.tar comes back (issue 10)
+# Session 6 ran 1-4 (stage 1 twice); what did not finish is in docs/gpu_runbook.md ("After session 6").
 #
 # Each stage writes under $OUT at most 7 files (the tool returns 8): s<N>_summary.txt, s<N>_logs.tgz (every log and
 # JSON) and a few key JSONs; it prints its summary last. Work files live in /tmp/sglx_next/s<N> (kept while warm).
@@ -196,7 +199,7 @@ begin() {
 
 # ---- stages -------------------------------------------------------------------------------------------------------
 stage1() {  # correctness of the kernels that are defaults (bare install: triton; with FlashInfer: flashinfer, MLA)
-  begin 360
+  begin 540
   fi_setup
   local t0=$SECONDS train_pid=""
   if [ "${TRAIN_SHAPES_S:-0}" -gt 0 ] && ls .whl/shapes/diffusers-*.whl > /dev/null 2>&1; then
@@ -207,14 +210,16 @@ stage1() {  # correctness of the kernels that are defaults (bare install: triton
         bash scripts/train_tiny_shapes_device.sh > "$W/train_shapes.txt" 2>&1 ) &
     train_pid=$!
   fi
-  ( OUT=$W/fi BENCH=0 TEST_LIMIT=$(lim 300) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 320)" \
+  ( OUT=$W/fi BENCH=0 TEST_LIMIT=$(lim 440) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 460)" \
       bash benchmarks/run_flashinfer_device.sh > "$W/fi.txt" 2>&1 ) &
   groups="$!"
-  ( OUT=$W/mla WHEELS=/nonexistent STAGES=tests TESTS_K="$S1_MLA_K" TESTS_TIMEOUT=$(lim 300) timeout "$(lim 320)" \
-      bash benchmarks/run_mla_device.sh > "$W/mla.txt" 2>&1 ) &
-  groups="$groups $!"
+  if [ "${S1_MLA:-0}" = 1 ]; then  # 34 passed on the H100 in session 6: only when the MLA kernels change again
+    ( OUT=$W/mla WHEELS=/nonexistent STAGES=tests TESTS_K="$S1_MLA_K" TESTS_TIMEOUT=$(lim 300) timeout "$(lim 320)" \
+        bash benchmarks/run_mla_device.sh > "$W/mla.txt" 2>&1 ) &
+    groups="$groups $!"
+  fi
   # shellcheck disable=SC2086
-  ( PYTHONPATH=src:tests timeout "$(lim 300)" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 \
+  ( PYTHONPATH=src:tests timeout "$(lim 400)" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=15 \
       $S1_BARE_TESTS -k "$S1_BARE_K" > "$W/bare.txt" 2>&1; echo "pytest rc=$?" >> "$W/bare.txt" ) &
   groups="$groups $!"
   ( PYTHONPATH=src:tests:/tmp/site timeout "$(lim 200)" python3 -c "$PROBE_OVERLAP" > "$W/probe_overlap_flashinfer.txt" 2>&1
@@ -312,23 +317,28 @@ stage4() {  # FA4 (a default prefill when installed) after the shared K/V store;
   fa4_setup
   fi_setup
   if ! has_fa4; then note "FA4 NOT USABLE: the three cu13 parts must reach one warm machine (stages 2, 3, 4)"; fi
+  export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+  local bench="python3 -m sglx bench attention $S4_BACKENDS --warmup-ms 25 --rep-ms 150"
+  # first: B64 decode over every backend in one run (session 6's was cut; the default decode pick, flashinfer at
+  # page 128, has no median of its own in the record)
+  # shellcheck disable=SC2086
+  if have 60; then step attention_decode_b64 200 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
+    tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 60; fi
+  if [ "${S4_REPEAT:-0}" != 1 ]; then note "prefill and B1 decode: recorded in session 6 (S4_REPEAT=1 reruns them)"; fi
   step fa4_tests 230 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 bash benchmarks/run_fa4_llm_device.sh
   pytest_result "$W/fa4/gpu_tests_fa4.txt" | sed 's/^/    /' >> "$W/summary.txt"
   grep -E "fa4|flashinfer|trtllm|triton" "$W/fa4/doctor_llm_check_fa4.txt" 2>/dev/null | head -8 | cut -c1-160 \
     | sed 's/^/    doctor: /' >> "$W/summary.txt"
   export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-  local bench="python3 -m sglx bench attention $S4_BACKENDS --warmup-ms 25 --rep-ms 150"
+  if have 20; then timeout "$(lim 30)" python3 -m sglx doctor --family llm --json > "$W/doctor_llm_all.json" \
+    2> "$W/doctor_llm_all_stderr.txt"; note "doctor --family llm --json (auto picks, everything installed): rc=$?"; fi
+  [ "${S4_REPEAT:-0}" = 1 ] || return 0
   # shellcheck disable=SC2086
   if have 60; then step attention_prefill 170 $bench $S4_PREFILL --output "$W/attention_prefill.json"
     tail -18 "$W/attention_prefill.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_prefill 60; fi
   # shellcheck disable=SC2086
   if have 40; then step attention_decode_b1 70 $bench $S4_DECODE_B1 --output "$W/attention_decode_b1.json"
     tail -18 "$W/attention_decode_b1.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b1 40; fi
-  # shellcheck disable=SC2086
-  if have 40; then step attention_decode_b64 80 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
-    tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 40; fi
-  if have 20; then timeout "$(lim 30)" python3 -m sglx doctor --family llm --json > "$W/doctor_llm_all.json" \
-    2> "$W/doctor_llm_all_stderr.txt"; note "doctor --family llm --json (auto picks, everything installed): rc=$?"; fi
 }
 
 stage5() {  # diffusion: fa's refactored dense path and LSE, sparse backends after the planning rework, the CLI
@@ -353,6 +363,18 @@ stage5() {  # diffusion: fa's refactored dense path and LSE, sparse backends aft
       --attention-backend "$dense,$S5_SPARSE" $S5_CONFIGS --output "$W/bench_diffusion_compare.json"
     tail -24 "$W/bench_diffusion_compare.txt" | cut -c1-220 >> "$W/summary.txt"
   else skip bench_diffusion_compare 90; fi
+}
+
+stage6() {  # tiny-shapes training alone (issue 10): carry .whl/shapes/diffusers-0.42.1-py3-none-any.whl, any machine
+  begin 540
+  local secs=${TRAIN_SHAPES_S:-360}
+  step train_tiny_shapes $((secs + 170)) env SITE=/tmp/site_shapes OUT="$W/shapes" LOGDIR="$W/shapes" EVAL=1 \
+    DIT_SECONDS="$secs" TRAIN_ARGS="${TRAIN_SHAPES_ARGS:---te-lr-mult 5 --fg-weight 4 --train-shift 1.0 --dit-lr 4e-4}" \
+    bash scripts/train_tiny_shapes_device.sh
+  grep -E "time limit|saved|moving" "$W/train_tiny_shapes.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+  mkdir -p "$FINAL"
+  if [ -f "$W/shapes/model.tar" ]; then mv "$W/shapes/model.tar" "$FINAL/s6_tiny_shapes_model.tar"
+  elif [ -f "$W/shapes/ckpt.tar" ]; then mv "$W/shapes/ckpt.tar" "$FINAL/s6_tiny_shapes_ckpt.tar"; fi
 }
 
 # ---- on the CPU box ---------------------------------------------------------------------------------------------
@@ -446,7 +468,7 @@ check() {  # validate on the CPU what can be: sizes, syntax, and that every test
 }
 
 case "$STAGE" in
-  1|2|3|4|5) "stage$STAGE"; finish ;;
+  1|2|3|4|5|6) "stage$STAGE"; finish ;;
   prepare) prepare ;;
   check) check ;;
   *) sed -n '2,40p' "$0"; exit 2 ;;
