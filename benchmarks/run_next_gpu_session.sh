@@ -294,8 +294,8 @@ except Exception as exc:  # a run that failed or timed out has no report
 EOF
 }
 
-stage3() {  # sparse planning rework on the Triton route; overlap scheduling's measured gain
-  begin 270
+stage3() {  # sparse planning rework on the Triton route; serving vs offline; overlap scheduling's measured gain
+  begin 540
   fa4_setup
   fi_setup
   export PYTHONPATH=src:tests   # bare: auto-selection must not see the half-installed FA4
@@ -303,6 +303,13 @@ stage3() {  # sparse planning rework on the Triton route; overlap scheduling's m
   pyt sparse_triton_tests 130 $S3_SPARSE_TESTS -k "$S3_SPARSE_K"
   if [ ! -f "$S3_OFFLINE_TEST" ]; then note "offline_test: $S3_OFFLINE_TEST not in this tree"
   elif have 60; then pyt offline_test 70 "$S3_OFFLINE_TEST"; else skip offline_test 60; fi
+  # session 6 moved sglx serve's engine into its own process (CPU: serving 0.90-0.94x offline at the median)
+  if have 60; then pyt serve_engine_process_test 80 tests/gpu/test_serve_engine_process_gpu.py
+  else skip serve_engine_process_test 60; fi
+  if have 240; then step serving_bench 260 env OUT="$W/serving" bash benchmarks/run_serving_bench.sh
+    tail -12 "$W/serving_bench.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+    cp "$W"/serving/*.json "$W/" 2>/dev/null
+  else skip serving_bench 240; fi
   note "overlap scheduling, sglx bench offline-throughput ($OFFLINE_ARGS):"
   if have 100; then offline_pair embedded_triton --attention-backend triton; else skip offline_embedded 100; fi
   if have 100; then offline_pair llama1b_triton --model-path llama-3.2-1b --load-format dummy --dtype bfloat16 \
@@ -438,6 +445,7 @@ check() {  # validate on the CPU what can be: sizes, syntax, and that every test
   # shellcheck disable=SC2086
   collect "s3 sparse" "$S3_SPARSE_K" $S3_SPARSE_TESTS
   collect "s3 offline" "" $S3_OFFLINE_TEST
+  collect "s3 serve engine process" "" tests/gpu/test_serve_engine_process_gpu.py
   collect "s4 fa4" "" tests/gpu/test_fa4_gpu.py
   # shellcheck disable=SC2086
   collect "s5 diffusion" "" $S5_DIFFUSION_TESTS
