@@ -206,7 +206,7 @@ def _measure(run: PreparedRun, case: AttentionCase, inputs: CaseInputs, device: 
             out = run.fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            err = max_abs_error(out, inputs.reference)
+            err = max_abs_error(run.as_rows(out), inputs.reference)
             row.update(max_abs_err=err, tolerance=tol, ok=err <= tol)
             if not row["ok"]:
                 row["error"] = f"max |out - float64 reference| = {err:.3g} > {tol:g}: wrong result, not timed"
