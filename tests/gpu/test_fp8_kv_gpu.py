@@ -50,10 +50,12 @@ def _held(pool, slots):
     return k, v
 
 
-@pytest.mark.parametrize("fp8_convert", [None, "cast", "ptx_v", "ptx_kv"])
+@pytest.mark.parametrize("fp8_convert,fold,block_n", [
+    (None, None, None), ("cast", None, None), ("ptx_v", None, None), ("ptx_kv", None, None),
+    (None, "tile_max", None), (None, "exponent", 128)])
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype", [
     (torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3"), (torch.float16, 1, 16, 2, 64, "fp8_e5m2")])
-def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, fp8_convert):
+def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, fp8_convert, fold, block_n):
     from sglx.attention.kernels.decode_attention import DecodeConfig, decode_attention, semaphore_count
     from sglx.attention.kernels.kv_indices import build_kv_indptr
     from triton_interpreted.paged import reference_attention
@@ -72,7 +74,8 @@ def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cac
         sems = torch.zeros(semaphore_count(len(lens), hq, hkv), dtype=torch.int32, device=DEV) if merge else None
         decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                          dim ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
-                         config=DecodeConfig(fp8_convert=fp8_convert), semaphores=sems)
+                         config=DecodeConfig(fp8_convert=fp8_convert, token_scale_fold=fold, block_n=block_n),
+                         semaphores=sems)
         for i, n in enumerate(lens):
             k, v = _held(pool, r2t.req_to_token[rows[i], :n].long())
             ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5)

@@ -179,9 +179,10 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fold", ["tile_max", "exponent"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,window,cap,max_splits,merge", DECODE_CASES)
 def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap,
-                                                      max_splits, merge):
+                                                      max_splits, merge, fold):
     lens = [1, 50, 23]
     cache = Cache(lens, page, hkv, dim, dtype, kv_cache_dtype, seed=dim)
     kv_indptr, kv_indices = cache.indices(lens)
@@ -194,8 +195,8 @@ def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype,
     pool = cache.pool
     decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=pool.k_scale[0],
-                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16),
-                     interpret=True, semaphores=sems)
+                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
+                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold), interpret=True, semaphores=sems)
     for i, n in enumerate(lens):
         k, v = cache.held(i, n)
         ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5, window, cap)
@@ -205,6 +206,54 @@ def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype,
         k_plain, v_plain = pool.get_kv(0, cache.slots(i, 0, n), torch.float64)
         plain = reference_attention(q[i:i + 1], k_plain, v_plain, torch.tensor([n - 1]), dim ** -0.5, window, cap)
         assert (plain - ref).abs().max().item() <= 10 * TOL[dtype]
+
+
+def test_decode_exponent_fold_with_scales_far_apart_and_garbage_in_unused_slots():
+    """fp16 weights with V scales spread over 2^-24 .. 2^1 inside one request (a tile's scales up to 2^25 apart,
+    more than fp16's normal range spans) and NaN/inf/0/negative scales in the reserved slots that masked lanes
+    read (the "exponent" fold loads scales unmasked): float64 over the stored bytes, at fp16 output rounding.
+    Each row's weights are normalised by that row's largest p * scale. ("tile_max" divides by the tile's
+    largest scale instead, so rows whose likely keys have small scales get subnormal fp16 weights: 1.1e-2 and
+    1.7e-1 relative error on two of these rows; realistic spreads are far smaller, the regular cases cover it.)"""
+    fold = "exponent"
+    page, hq, hkv, dim, lens = 4, 8, 2, 64, [37, 9, 64]
+    cache = Cache(lens, page, hkv, dim, torch.float16, "fp8_e4m3", seed=17)
+    pool = cache.pool
+    gen = torch.Generator().manual_seed(4)
+    for i, n in enumerate(lens):  # stored V = bits * scale; scale the scales (the bits stay): values far apart
+        slots = cache.slots(i, 0, n)
+        exps = torch.randint(-24, 1, (n, hkv), generator=gen).float()
+        exps[0] = -24.0  # MIN_SCALE itself
+        pool.v_scale[0][slots] = torch.exp2(exps) * (1 + torch.rand(n, hkv, generator=gen))
+    pool.v_scale[0][:page] = torch.tensor([float("nan"), float("inf"), 0.0, -3.0])[:, None]
+    pool.k_scale[0][:page] = torch.tensor([float("inf"), float("nan"), 0.0, -1.0])[:, None]
+    kv_indptr, kv_indices = cache.indices(lens)
+    q_rot = pool.rotate_query(torch.randn(len(lens), hq, dim, generator=gen).half())
+    out = torch.full((len(lens), hq, dim), float("nan"), dtype=torch.float16)
+    max_splits = 3
+    mid_o = torch.empty(len(lens), hq, max_splits, dim)
+    mid_lse = torch.empty(len(lens), hq, max_splits)
+    decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
+                     dim ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
+                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold), interpret=True)
+    for i, n in enumerate(lens):
+        k, v = cache.held(i, n)
+        ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5)
+        # relative to the row's size: the output mixes values 2^25 apart
+        err = ((out[i:i + 1].double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        assert err <= 1.5e-3, (i, err)
+
+
+def test_decode_rejects_an_unknown_scale_fold_and_scales_of_two_layouts():
+    with pytest.raises(ValueError, match="token_scale_fold 'tile': choose one of tile_max, exponent"):
+        DecodeConfig(token_scale_fold="tile")
+    cache = Cache([5], 4, 2, 64, torch.float32, "fp8_e4m3", seed=1)
+    pool = cache.pool
+    kv_indptr, kv_indices = cache.indices([5])
+    with pytest.raises(ValueError, match="one row-major layout"):
+        decode_attention(torch.zeros(1, 2, 64), pool.k_buffer[0], pool.v_buffer[0], torch.empty(1, 2, 64), kv_indptr,
+                         kv_indices, torch.empty(1, 2, 2, 64), torch.empty(1, 2, 2), 0.125, k_scale=pool.k_scale[0],
+                         v_scale=pool.v_scale[0].t().contiguous().t(), fp8_dtype=pool.fp8_dtype, interpret=True)
 
 
 EXTEND_CASES = [

@@ -196,3 +196,32 @@ def online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASK: tl.con
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def scaled_softmax_step(qk, visible, k_s, v_s, m_i, l_i, qk_scale, logit_cap, SOFTCAP: tl.constexpr):
+    """`online_softmax_step` for keys with per-key K scales `k_s` and V scales `v_s` ([BLOCK_N] each, positive
+    normal float32) -> (w, alpha, m_new, l_new) where the PV weights w already carry the V scales.
+
+    Each V scale is split exactly into 2^e_n * f_n (f_n in [1, 2), integer bit operations) and e_n joins the
+    score in the exponent: t = x + e_n, m = running row max of t, u = exp2(t - m), w = u * f_n = exp2(x - m) * s_n.
+    Every weight is below 2 and each row's largest is at least 1, so fp16 weights neither overflow nor
+    underflow (as a plain softmax's p), without a max over the tile's scales; the denominator adds
+    u * 2^-e_n = exp2(x - m) (exact), so m + log2(l) is the log2-sum-exp of the scores x as in
+    `online_softmax_step`. Masked keys' scales may hold anything (their scores become -inf, their factors
+    stay finite).
+    """
+    bits = v_s.to(tl.int32, bitcast=True)
+    biased = tl.minimum((bits >> 23) & 0xFF, 253)  # any bits (a masked key's) give finite factors
+    frac = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    inv_pow = ((254 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    e = (biased - 127).to(tl.float32)
+    if SOFTCAP:
+        t = soft_cap(qk * (k_s * qk_scale)[None, :], logit_cap) * 1.4426950408889634 + e[None, :]
+    else:
+        t = qk * (k_s * qk_scale)[None, :] + e[None, :]  # qk_scale holds log2(e): one FMA per score
+    t = tl.where(visible, t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    u = tl.exp2(t - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return u * frac[None, :], alpha, m_new, l_i * alpha + tl.sum(u * inv_pow[None, :], 1)

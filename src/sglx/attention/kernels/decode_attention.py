@@ -8,8 +8,10 @@ its (windowed) length into at most `max_splits` chunks of at least `min_chunk` k
 fixed by `max_splits` alone, short requests simply leave programs idle.
 
 fp8 KV: one scale per layer folds into the score scale and the output; per-token scales (tensors
-`[rows, Hkv]`, see `TokenKVPool`) are loaded with each tile's slots and multiply the scores (K) and the
-probabilities (V) in registers: no extra pass over the cache, 8 more bytes per key and head.
+`[rows, Hkv]`, see `TokenKVPool`) are loaded with each tile's slots and applied to the [BLOCK_H, BLOCK_N]
+score and weight tiles, never to K/V elements: q.(s_n k_n) = s_n (q.k_n), sum p_n s_n v_n = sum (p_n s_n) v_n.
+No extra pass over the cache, 8 more bytes per key and head. `DecodeConfig.token_scale_fold` picks how the
+V scales reach the fp16 weights (see there).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sglx.attention.kernels.common import (
     kv_tile_to_compute,
     online_softmax_step,
     padded_dim,
+    scaled_softmax_step,
 )
 
 MAX_SPLITS_CAP = 64
@@ -53,6 +56,21 @@ class DecodeConfig:
     # the caller passes semaphores; larger ones use the second kernel. H100: batch 1 saves the stage-2
     # launch (~80 us a step for Llama-3.1-8B); B64 x ctx 4096 ran 3% slower with the in-kernel merge.
     merge_max_batch: int = 8
+    # fp8 per-token scales only: how V's scales s_n reach the weights of the PV dot (K's multiply the scores).
+    # "tile_max" (session 6's kernel): w = p * s_n / max(tile's s), the dot's result times that max: a max
+    # over the tile's scales across warps, a divide per key, the dot's accumulate split from it (sm_90a,
+    # triton 3.6, B64 bench shape: 153 registers, 829 instructions per loop iteration, 12 barriers).
+    # "exponent": s_n = 2^e_n f_n split by bit operations, e_n added to the score, the row max taken over
+    # both (`scaled_softmax_step`): no reduction beyond softmax's own, the dot accumulates in place, scales
+    # loaded unmasked with one address (122 registers, 745 instructions, 9 barriers; one scale per layer:
+    # 106, 577, 9). Each row's weights are normalised by its own largest p * s (tile_max: by the tile's
+    # largest s, which leaves subnormal fp16 weights where likely keys have small scales). None: "exponent".
+    token_scale_fold: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_scale_fold is not None and self.token_scale_fold not in TOKEN_SCALE_FOLDS:
+            raise ValueError(f"DecodeConfig.token_scale_fold {self.token_scale_fold!r}: choose one of "
+                             f"{', '.join(TOKEN_SCALE_FOLDS)}")
 
 
 def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int, sms: int,
@@ -114,6 +132,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr, SLOT_SCALES: tl.constexpr,
+    SCALE_FOLD: tl.constexpr,
 ):
     kv_head = tl.program_id(0) // HEAD_BLOCKS  # heads vary fastest: neighbours read the same tokens' rows
     head_block = tl.program_id(0) % HEAD_BLOCKS
@@ -147,14 +166,20 @@ def _decode_stage1(
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
             qk = dot(q, k, IEEE)
-            if SLOT_SCALES:
-                qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head, mask=n_mask, other=0.0)[None, :]
-            p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
-                                                       logit_cap, True, SOFTCAP)
+            if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
+                scale_row = slots * stride_ks + kv_head  # masked keys read slot 0's scales: whatever they hold, unused
+                p, alpha, m_new, l_i = scaled_softmax_step(qk, n_mask[None, :], tl.load(K_Scale + scale_row),
+                                                           tl.load(V_Scale + scale_row), m_i, l_i, qk_scale,
+                                                           logit_cap, SOFTCAP)
+            else:
+                if SLOT_SCALES:
+                    qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head, mask=n_mask, other=0.0)[None, :]
+                p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
+                                                           logit_cap, True, SOFTCAP)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
             v = kv_tile_to_compute(v, FMT, CVT >= 1, q.dtype)
-            if SLOT_SCALES:  # p * scale / (the tile's largest scale) stays in [0, 1]: no fp16 underflow
+            if SLOT_SCALES and SCALE_FOLD == 0:  # p * scale / (the tile's largest scale) stays in [0, 1]
                 v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
                 v_top = tl.max(v_scale_n, 0)
                 p = p * (v_scale_n / v_top)[None, :]
@@ -203,6 +228,8 @@ def _decode_stage2(
 
 
 FP8_CONVERTS = {"cast": 0, "ptx_v": 1, "ptx_kv": 2}
+TOKEN_SCALE_FOLDS = {"tile_max": 0, "exponent": 1}
+DEFAULT_TOKEN_SCALE_FOLD = "exponent"
 
 
 def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, interpret: bool) -> int:
@@ -213,6 +240,10 @@ def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, inte
     if interpret or device.type != "cuda" or torch.version.hip:
         return 0
     return 1 if torch.cuda.get_device_capability(device) >= (8, 9) else 0
+
+
+def _token_scale_fold_code(config: DecodeConfig) -> int:
+    return TOKEN_SCALE_FOLDS[config.token_scale_fold or DEFAULT_TOKEN_SCALE_FOLD]
 
 
 def _head_blocking(group: int) -> tuple[int, int]:
@@ -249,7 +280,9 @@ def decode_attention(
     split of each request merges the splits in the same kernel; otherwise a second kernel does.
 
     k_scale/v_scale: one float per layer, or float32 `[rows, Hkv]` per-slot scales of an fp8 pool
-    (`TokenKVPool.per_token_scales`; q must then already be in the pool's rotated key basis)."""
+    (`TokenKVPool.per_token_scales`; q must then already be in the pool's rotated key basis). Per-slot scales
+    of the slots attention reads are positive normal floats (the pool's are at least `MIN_SCALE`); slot 0's
+    row may hold anything (masked lanes of a tile point at it)."""
     bs, hq, dim = q.shape
     hkv = k_buffer.shape[1]
     if q.stride(-1) != 1:
@@ -266,6 +299,9 @@ def decode_attention(
     if slot_scales:
         k_scales, v_scales = k_scale, v_scale
         k_scale = v_scale = 1.0
+        if k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1:
+            raise ValueError(f"per-slot K/V scales need one row-major layout (strides {k_scales.stride()} and "
+                             f"{v_scales.stride()}); pass TokenKVPool's k_scale/v_scale tensors")
     else:
         k_scales = v_scales = mid_lse  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
@@ -284,8 +320,8 @@ def decode_attention(
         out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits),
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
-        CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales, num_warps=num_warps,
-        num_stages=num_stages,
+        CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
+        SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0, num_warps=num_warps, num_stages=num_stages,
     )
     if merge_here:
         return out
