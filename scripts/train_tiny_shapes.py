@@ -406,22 +406,60 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.devic
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, x0: torch.Tensor, background: torch.Tensor,
-                 fg_weight: float) -> torch.Tensor:
+                 fg_weight: float, contrast: torch.Tensor | None = None, contrast_weight: float = 0.0) -> torch.Tensor:
     """MSE with the shape's latent positions (and one position around them) weighted 1 + fg_weight: the
-    shape covers about a tenth of the latent grid, so plain MSE spends most of its gradient on black."""
+    shape covers about a tenth of the latent grid, so plain MSE spends most of its gradient on black.
+    With a contrast map (see contrast_maps) its positions get contrast_weight x the map on top."""
     err = (pred - target).square()
-    if fg_weight <= 0:
+    if fg_weight <= 0 and (contrast is None or contrast_weight <= 0):
         return err.mean()
-    lit = ((x0 - background).norm(dim=1, keepdim=True) > 0.5).float()
-    lit = F.max_pool3d(lit, kernel_size=(1, 3, 3), stride=1, padding=(0, 1, 1))
-    w = 1.0 + fg_weight * lit
+    w = torch.ones_like(err[:, :1])
+    if fg_weight > 0:
+        lit = ((x0 - background).norm(dim=1, keepdim=True) > 0.5).float()
+        w = w + fg_weight * F.max_pool3d(lit, kernel_size=(1, 3, 3), stride=1, padding=(0, 1, 1))
+    if contrast is not None and contrast_weight > 0:
+        w = w + contrast_weight * contrast
     return (err * w).mean() / w.mean()
 
 
+def contrast_maps(args, specs: list) -> torch.Tensor:
+    """[N, 1, 5, 16, 16] in [0, 1]: for each encoded clip (replaying _encode_clips' random draws, so row i is
+    clip i) and latent position, the share of the position's 4x4 pixel cell, over the frames its latent frame
+    holds (1, then 4 each), where the clip's shape differs from the other two shapes drawn at the same place
+    and size: a square's corners, a triangle's flanks and apex.
+
+    Why (session 6 CPU study in the model README): the square-circle difference is a fifth of a shape's latent
+    and lives in a few corner cells, so plain MSE gives the DiT almost no reason to read the shape word; the
+    shipped DiT's prediction moves by 1-4% of that difference when "circle" is swapped for "square"."""
+    rng = np.random.default_rng(args.seed + 2)
+    num_clips = len(specs)
+    if random_specs(rng, num_clips, 0.15) != specs:
+        raise SystemExit(f"--contrast-weight: the {num_clips} encoded clips (--latents-cache?) were not drawn with "
+                         f"--seed {args.seed} and --clips {num_clips}; encode them again without the cache")
+    groups = [range(0, 1)] + [range(4 * k - 3, 4 * k + 1) for k in range(1, (task.NUM_FRAMES - 1) // 4 + 1)]
+    out = np.zeros((num_clips, len(groups), 16, 16), np.float32)
+    t = np.arange(task.NUM_FRAMES, dtype=np.float32)
+    for i, spec in enumerate(specs):
+        prm = task.random_params(spec, rng, task.NUM_FRAMES)
+        dx, dy = task.STEP[spec.direction] if spec.direction is not None else (0.0, 0.0)
+        cx, cy = prm.x0 + dx * prm.speed * t, prm.y0 + dy * prm.speed * t
+        own = task.shape_mask(spec.shape, cx, cy, prm.size)
+        diff = np.zeros_like(own)
+        for other in task.SHAPES:
+            if other != spec.shape:
+                diff |= task.shape_mask(other, cx, cy, prm.size) != own
+        cells = diff.reshape(task.NUM_FRAMES, 16, 4, 16, 4).mean(axis=(2, 4))
+        for k, frames in enumerate(groups):
+            out[i, k] = cells[list(frames)].mean(axis=0)
+    return torch.from_numpy(out).unsqueeze(1)
+
+
 def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs: list, args,  # noqa: ANN001
-              device: torch.device, log, checkpoint=None) -> tuple[dict, torch.nn.ModuleDict]:  # noqa: ANN001
+              device: torch.device, log, checkpoint=None,  # noqa: ANN001
+              contrast: torch.Tensor | None = None) -> tuple[dict, torch.nn.ModuleDict]:
     """Flow matching on the encoded latents; `checkpoint(ema, step)` is called every
-    args.checkpoint_seconds, so a run cut short still leaves weights behind."""
+    args.checkpoint_seconds, so a run cut short still leaves weights behind. `contrast` (contrast_maps,
+    row i for clip i) weights the loss by --contrast-weight where the clip's shape differs from the others."""
     rng = np.random.default_rng(args.seed + 3)
     gen = torch.Generator(device).manual_seed(args.seed + 4)
     models = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder}).train()
@@ -445,12 +483,14 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         if one_frame:  # an image: the first frame of any clip, under its own or its still prompt
             idx = rng.integers(len(specs), size=args.batch * 2)
             x0 = latents[torch.as_tensor(idx, device=device), :, :1]
+            cmap = contrast[torch.as_tensor(idx, device=device), :, :1] if contrast is not None else None
             prompts = [specs[i].prompt if rng.random() < 0.5 else task.ShapeSpec(specs[i].shape, specs[i].colour).prompt
                        for i in idx]
         else:
             n_still = int(round(args.batch * 0.15))
             idx = np.concatenate([rng.choice(motion_idx, args.batch - n_still), rng.choice(still_idx, n_still)])
             x0 = latents[torch.as_tensor(idx, device=device)]
+            cmap = contrast[torch.as_tensor(idx, device=device)] if contrast is not None else None
             prompts = [specs[i].prompt for i in idx]
         prompts = ["" if rng.random() < args.text_dropout else p for p in prompts]
         b = x0.shape[0]
@@ -465,7 +505,8 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
             context = encode_text(tokenizer, models["text_encoder"], prompts, device)
             pred = models["transformer"](hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
                                          return_dict=False)[0]
-        loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight)
+        loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight,
+                            cmap, args.contrast_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
@@ -553,6 +594,9 @@ def main() -> None:
                    "of --dit-lr (it must learn to tell the shape words apart)")
     p.add_argument("--fg-weight", type=float, default=0.0, help="extra loss weight on the latent positions that "
                    "hold the shape (0: plain MSE)")
+    p.add_argument("--contrast-weight", type=float, default=0.0, help="extra loss weight (x the share of a 4x4 "
+                   "pixel cell that differs) on the latent positions where the clip's shape differs from the other "
+                   "two shapes at the same place and size: a square's corners (0: off; the CPU study used 30)")
     p.add_argument("--dit-warmup", type=int, default=300, help="DiT learning-rate warm-up steps")
     p.add_argument("--train-shift", type=float, default=SHIFT, help="flow shift of the DiT's training timesteps "
                    "(below the scheduler's shift: more low-noise steps, where edges and corners are drawn)")
@@ -636,8 +680,13 @@ def main() -> None:
             partial.replace(args.checkpoint_tar)
         log(f"checkpoint at dit step {step} -> {folder}")
 
+    contrast = None
+    if args.contrast_weight > 0:
+        t = time.time()
+        contrast = contrast_maps(args, specs).to(device)
+        log(f"contrast maps of {len(specs)} clips in {time.time() - t:.0f}s; mean {contrast.mean():.4f}")
     dit_info, ema = train_dit(transformer, text_encoder, tokenizer, latents, specs, args, device, log,
-                              checkpoint if args.checkpoint_dir else None)
+                              checkpoint if args.checkpoint_dir else None, contrast)
     info.update(dit_info)
     info["total_seconds"] = time.time() - t_start
 
