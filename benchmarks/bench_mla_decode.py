@@ -7,6 +7,7 @@ latent bytes a step must read. The issue's target: triton within 1.2x of FlashIn
 Usage:
 
     PYTHONPATH=src python3 benchmarks/bench_mla_decode.py --out $OUT/mla_decode.json
+      (fp8 latents with 64+ heads: the default 16-head launch and the 64-head one, "triton[wide]", both timed)
     PYTHONPATH=src python3 benchmarks/bench_mla_decode.py --pages 1 --kv-cache-dtypes auto \
         --sweep block_h=16,32,64 num_warps=4,8 block_n=16,32,64 num_stages=1,2,3     # tune the triton kernel
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/bench_mla_decode.py --tiny --device cpu  # logic check
@@ -30,6 +31,7 @@ from sglx.attention.kernels.mla_decode import (
     mla_decode_attention,
     mla_num_splits,
     resolve_config,
+    wide_launch,
 )
 from sglx.bench.timing import TimingBudget, median_ms
 from sglx.llm.kv_cache import ReqToTokenPool
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--configs", default="",
                         help="explicit MLADecodeConfig overrides as a JSON list, e.g. "
                              "'[{\"block_h\": 64, \"num_warps\": 8}]' (the default config is always timed first)")
+    parser.add_argument("--no-fp8-wide", action="store_true",
+                        help="fp8 latents: skip timing the 64-head launch next to the default one")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs = [MLADecodeConfig()]
@@ -186,10 +190,17 @@ def main() -> None:
 
             rows.append(flashinfer_row(case, device, budget))  # first: its JIT compile happens here
             log(rows)
-            for config in configs:
+            launches = [("triton", config) for config in configs]
+            seen = {resolve_config(c, case.heads, case.pool.is_fp8, device, interpret) for c in configs}
+            if case.pool.is_fp8 and case.heads >= 64 and not args.no_fp8_wide:
+                # the launch bf16 gets on SM90, on fp8 latents (resolve_config keeps fp8 on 16-head blocks)
+                wide = resolve_config(wide_launch(), case.heads, True, device, interpret)
+                if wide not in seen:
+                    launches.append(("triton[wide]", wide))
+            for label, config in launches:
                 resolved = resolve_config(config, case.heads, case.pool.is_fp8, device, interpret)
                 splits = mla_num_splits(case.batch, case.heads, case.context, num_sms(device), resolved)
-                name = f"triton {resolved} splits={splits}" + (" (default)" if config == MLADecodeConfig() else "")
+                name = f"{label} {resolved} splits={splits}" + (" (default)" if config == MLADecodeConfig() else "")
                 try:
                     rows.append(measure(name, triton_route(case, interpret, config), case, budget))
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
@@ -206,6 +217,9 @@ def main() -> None:
                 entry["default_triton_over_flashinfer"] = default.get("ms", float("nan")) / min(fi_runs)
             if timed:
                 entry["best_triton_route"] = min(timed, key=lambda r: r["ms"])["route"]
+            wide_ms = [r["ms"] for r in timed if r["route"].startswith("triton[wide]")]
+            if wide_ms and "ms" in default:
+                entry["fp8_wide_over_default"] = wide_ms[0] / default["ms"]
             print(json.dumps({k: v for k, v in entry.items() if k != "routes"}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

@@ -23,11 +23,13 @@ DEV = "cuda"
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+@pytest.mark.parametrize("launch", ["default", "wide"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype,page,heads", [(torch.bfloat16, 1, 128), (torch.bfloat16, 64, 16),
                                               (torch.float16, 16, 128)])
-def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cache_dtype):
-    """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits."""
+def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cache_dtype, launch):
+    """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits; "wide": the
+    64-head launch on fp8 latents (bf16 with 64+ heads gets it by default)."""
     from sglx.attention.kernels.common import num_sms
     from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
     from sglx.attention.kernels.mla_decode import (
@@ -35,7 +37,11 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
         mla_decode_attention,
         mla_num_splits,
         resolve_config,
+        wide_launch,
     )
+
+    if launch == "wide" and (kv_cache_dtype == "auto" or heads < 64):
+        pytest.skip("the default launch already is the wide one, or too few heads for it")
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
 
@@ -57,7 +63,8 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
     kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
     build_kv_indices(r2t.req_to_token, torch.tensor(rows, device=DEV), kv_indptr, kv_indices)
-    config = resolve_config(MLADecodeConfig(), heads, pool.is_fp8, torch.device(DEV))  # what the backend launches
+    base = wide_launch() if launch == "wide" else MLADecodeConfig()
+    config = resolve_config(base, heads, pool.is_fp8, torch.device(DEV))  # default: what the backend launches
     splits = mla_num_splits(len(lens), heads, max(lens), num_sms(torch.device(DEV)), config)
     assert splits > 1  # four requests never fill the GPU: the split merge is exercised too
     q = torch.randn(len(lens), heads, r + dr, generator=gen).to(DEV, dtype)

@@ -83,6 +83,36 @@ def test_mla_decode_kernel_matches_float64(page, heads, r, dr, splits, kv_cache_
         assert (out[i].double() - ref).abs().max().item() < 2e-5, i
 
 
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8_e4m3", torch.float16), ("fp8_e5m2", torch.float32)])
+def test_wide_launch_takes_fp8_latents(kv_cache_dtype, dtype):
+    """The 64-head launch (`wide_launch`: what bf16 gets on SM90) on fp8 latents: 70 heads (a full and a masked
+    head block), 64-key tiles over three splits, float64 over the stored bytes. The interpreter checks the
+    logic; the wgmma code itself compiles for sm_90a (mla_decode.WIDE_LAUNCH) and is timed by bench_mla_decode."""
+    from sglx.attention.kernels.mla_decode import head_blocks, wide_launch
+
+    page, heads, r, dr, splits, lens = 16, 70, 64, 16, 3, [1, 37, 150]
+    config = wide_launch(MLADecodeConfig(min_chunk=16))
+    assert head_blocks(heads, config) == 2 and config.block_n == 64
+    c = Latents(lens, page, r, dr, dtype, kv_cache_dtype, seed=7)
+    for i, n in enumerate(lens):
+        c.store(i, 0, n)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    kv_indices = torch.zeros(sum(lens), dtype=torch.int32)
+    build_kv_indices(c.r2t.req_to_token, torch.tensor(c.rows), kv_indptr, kv_indices)
+    q = torch.randn(len(lens), heads, r + dr, generator=c.gen).to(dtype)
+    out = torch.full((len(lens), heads, r), float("nan"), dtype=dtype)
+    mid_o = torch.empty(len(lens), heads, splits, r)
+    mid_lse = torch.empty(len(lens), heads, splits)
+    scale = 0.8 * (r + dr) ** -0.5
+    mla_decode_attention(q, c.pool.kv_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, r,
+                         kv_scale=c.pool.kv_scale[0], fp8_dtype=c.pool.fp8_dtype, config=config, interpret=True)
+    for i, n in enumerate(lens):
+        lat = c.stored(i, n)
+        scores = torch.einsum("hd,ld->hl", q[i].double(), lat) * scale
+        ref = torch.softmax(scores, -1) @ lat[:, :r]
+        assert (out[i].double() - ref).abs().max().item() < (4e-3 if dtype == torch.float16 else 2e-5), i
+
+
 H, DN, DR, DV, R = 4, 16, 8, 12, 32
 SPEC = MLALayerSpec(0, H, DN, DR, DV, R, 0.7 * (DN + DR) ** -0.5)
 PREFIX = [0, 13, 37]

@@ -28,7 +28,13 @@ from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_comp
 from sglx.attention.kernels.decode_attention import _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
-           "resolve_config"]
+           "resolve_config", "wide_launch"]
+
+# wgmma needs 64-row tiles; 8 warps keep the [64, 512] accumulator in registers. With fp8 latents it also
+# compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and is correct in the
+# interpreter; whether it beats the 16-head launch (1.38 ms at B64 H128 ctx 4096 on the H100) is unmeasured,
+# so fp8 keeps the 16-head default until benchmarks/bench_mla_decode.py (which times both for fp8) says.
+WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1)
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,16 @@ def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch
             and torch.cuda.get_device_capability(device) >= (9, 0))
     if interpret:
         defaults = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, waves=4)
-    elif wide:  # wgmma needs 64-row tiles; 8 warps keep the [64, 512] accumulator in registers
-        defaults = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1)
+    elif wide:
+        defaults = WIDE_LAUNCH
     else:
         defaults = dict(block_h=16, block_n=32, num_warps=4, num_stages=1 if torch.version.hip else 2, waves=4)
     return replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
+
+
+def wide_launch(config: MLADecodeConfig = MLADecodeConfig()) -> MLADecodeConfig:
+    """`config` with the 64-head launch in its None fields, whatever the KV dtype (to time it on fp8 latents)."""
+    return replace(config, **{k: v for k, v in WIDE_LAUNCH.items() if getattr(config, k) is None})
 
 
 def _block_h(heads: int, config: MLADecodeConfig) -> int:
