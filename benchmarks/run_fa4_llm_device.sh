@@ -33,7 +33,7 @@ fi
 timeout "${TEST_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=8 \
   tests/gpu/test_fa4_gpu.py ${EXTRA_TESTS:-} > "$OUT/gpu_tests_fa4.txt" 2>&1
 echo "fa4 gpu tests rc=$?"
-timeout 60 python3 -m sglx doctor --check --family llm > "$OUT/doctor_llm_check_fa4.txt" 2>&1
+timeout 150 python3 -m sglx doctor --check --family llm > "$OUT/doctor_llm_check_fa4.txt" 2>&1
 echo "doctor rc=$?"
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_LIMIT:-120}" python3 benchmarks/bench_fa4_llm.py --out "$OUT/bench_fa4_llm.json" \
