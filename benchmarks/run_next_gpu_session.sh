@@ -320,7 +320,7 @@ stage3() {  # sparse planning rework on the Triton route; serving vs offline; ov
 }
 
 stage4() {  # FA4 (a default prefill when installed) after the shared K/V store; every LLM backend in one run
-  begin 480
+  begin 560
   fa4_setup
   fi_setup
   if ! has_fa4; then note "FA4 NOT USABLE: the three cu13 parts must reach one warm machine (stages 2, 3, 4)"; fi
@@ -332,7 +332,7 @@ stage4() {  # FA4 (a default prefill when installed) after the shared K/V store;
   if have 60; then step attention_decode_b64 200 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
     tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 60; fi
   if [ "${S4_REPEAT:-0}" != 1 ]; then note "prefill and B1 decode: recorded in session 6 (S4_REPEAT=1 reruns them)"; fi
-  step fa4_tests 230 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 bash benchmarks/run_fa4_llm_device.sh
+  step fa4_tests 320 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 bash benchmarks/run_fa4_llm_device.sh
   pytest_result "$W/fa4/gpu_tests_fa4.txt" | sed 's/^/    /' >> "$W/summary.txt"
   grep -E "fa4|flashinfer|trtllm|triton" "$W/fa4/doctor_llm_check_fa4.txt" 2>/dev/null | head -8 | cut -c1-160 \
     | sed 's/^/    doctor: /' >> "$W/summary.txt"
