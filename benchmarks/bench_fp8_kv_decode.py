@@ -56,6 +56,7 @@ VARIANTS = [
     ("fp8_e4m3 per-token scales", "exponent", DecodeConfig(token_scale_fold="exponent")),
     ("fp8_e4m3 per-token scales", "exponent block_n 128", DecodeConfig(token_scale_fold="exponent", block_n=128)),
     ("fp8_e4m3 per-token scales", "exponent num_stages 2", DecodeConfig(token_scale_fold="exponent", num_stages=2)),
+    ("fp8_e4m3 per-token scales", "exponent ptx_kv", DecodeConfig(token_scale_fold="exponent", fp8_convert="ptx_kv")),
     ("fp8_e4m3 per-token scales", "tile_max block_n 128", DecodeConfig(token_scale_fold="tile_max", block_n=128)),
 ]
 # Static look at these (sm_90a, triton 3.6, ptxas, the bench's strides): SASS instructions per 64 keys of the
@@ -101,8 +102,8 @@ def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                  v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, config=config)
 
             row: dict = dict(page=page, kv=name, variant=label, splits=splits,
-                             config={f: getattr(config, f) for f in ("block_n", "num_stages", "token_scale_fold")
-                                     if getattr(config, f) is not None})
+                             config={f: getattr(config, f) for f in ("block_n", "num_stages", "token_scale_fold",
+                                                                     "fp8_convert") if getattr(config, f) is not None})
             try:
                 out.fill_(float("nan"))
                 kernel()
