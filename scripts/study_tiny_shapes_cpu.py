@@ -246,6 +246,7 @@ VARIANTS = {
     "contrast30": ("text", 1.0, 2.0, 0.0, "contrast30"),
     "contrast100": ("text", 1.0, 2.0, 0.0, "contrast100"),
     "contrast30_te_x5_fg4_shift1": ("text", 5.0, 1.0, 4.0, "contrast30"),
+    "contrast100_te_x5_fg4_shift1": ("text", 5.0, 1.0, 4.0, "contrast100"),
 }
 
 
@@ -302,6 +303,9 @@ def shape_word_effect(dit, ctx_mod, pairs: torch.Tensor) -> dict:  # noqa: ANN00
         xt = (1 - sigma) * sq + sigma * torch.randn(sq.shape, generator=g)
         d = x0_pred(dit, xt, sigma, ctx_mod(lab_sq)) - x0_pred(dit, xt, sigma, ctx_mod(lab_ci))
         out[str(sigma)] = round(float((d.flatten(1).norm(dim=1) / (sq - ci).flatten(1).norm(dim=1)).median()), 4)
+        # the part of that move that points from the circle's latent to the square's (1.0: all the way)
+        gap = (sq - ci).flatten(1)
+        out[f"toward_square_{sigma}"] = round(float(((d.flatten(1) * gap).sum(1) / gap.square().sum(1)).median()), 4)
     return out
 
 
