@@ -247,6 +247,9 @@ VARIANTS = {
     "contrast100": ("text", 1.0, 2.0, 0.0, "contrast100"),
     "contrast30_te_x5_fg4_shift1": ("text", 5.0, 1.0, 4.0, "contrast30"),
     "contrast100_te_x5_fg4_shift1": ("text", 5.0, 1.0, 4.0, "contrast100"),
+    # + a shape-swap hinge: on the contrast cells, the prediction under a wrong shape word (same colour) must be
+    # at least 10% worse than under the right one
+    "swap_te_x5_fg4_shift1": ("text", 5.0, 1.0, 4.0, "swap"),
 }
 
 
@@ -335,7 +338,7 @@ def cmd_train(args) -> None:  # noqa: ANN001
     data = torch.load(CACHE)
     z_all, lab_all = data["latents"], data["labels"]
     bg = z_all.median(dim=0).values.unsqueeze(0)
-    cmaps = contrast_maps(len(z_all), 0) if loss_kind.startswith("contrast") else None
+    cmaps = contrast_maps(len(z_all), 0) if loss_kind.startswith(("contrast", "swap")) else None
     ctx_mod = FreeContext(te, tok) if kind == "free" else TextContext(te, tok, te_mult > 0)
     dit.train()
     groups = [{"params": list(dit.parameters()), "lr_mult": 1.0}]
@@ -364,7 +367,22 @@ def cmd_train(args) -> None:  # noqa: ANN001
         s = sigma.view(b, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         pred = dit(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=ctx_mod(labels), return_dict=False)[0]
-        if cmaps is not None:
+        if loss_kind == "swap":
+            loss = tts.weighted_mse(pred, noise - x0, x0, bg, fg)
+            keep = labels < len(STILLS)  # pictures that kept their prompt
+            wrong = labels.clone()
+            for i in torch.nonzero(keep).flatten().tolist():
+                sp = STILLS[int(labels[i])]
+                other = [sh for sh in task.SHAPES if sh != sp.shape][int(rng.integers(2))]
+                wrong[i] = STILLS.index(task.ShapeSpec(other, sp.colour))
+            pred_w = dit(hidden_states=xt[keep], timestep=sigma[keep] * 1000,
+                         encoder_hidden_states=ctx_mod(wrong[keep]), return_dict=False)[0]
+            c = cmaps[idx][keep]
+            denom = c.sum(dim=(1, 2, 3, 4)).clamp_min(1e-3) * x0.shape[1]
+            err_r = ((pred[keep] - (noise - x0)[keep]).square() * c).sum(dim=(1, 2, 3, 4)) / denom
+            err_w = ((pred_w - (noise - x0)[keep]).square() * c).sum(dim=(1, 2, 3, 4)) / denom
+            loss = loss + F.relu(1.1 * err_r - err_w).mean()
+        elif cmaps is not None:
             loss = tts.weighted_mse(pred, noise - x0, x0, bg, fg, cmaps[idx], float(loss_kind[len("contrast"):]))
         elif loss_kind == "x0":  # error of the clean-latent estimate xt - s*v, i.e. v error scaled by s,
             # renormalised so its mean weight is 1 (emphasises the low-noise steps where corners are drawn)
