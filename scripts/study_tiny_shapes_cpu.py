@@ -390,13 +390,8 @@ def cmd_train(args) -> None:  # noqa: ANN001
             loss = tts.weighted_mse(pred * w.sqrt(), (noise - x0) * w.sqrt(), x0, bg, fg)
         else:
             loss = tts.weighted_mse(pred, noise - x0, x0, bg, fg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
-        opt.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(list(ema.parameters()), list(models.parameters()), 1 - decay)
+        tts.optimizer_step(opt, models.parameters(), loss)
+        tts.ema_update(ema, models, step, args.ema)
         losses.append(loss.item())
         if step % 50 == 0:
             print(f"{args.variant} step {step} loss {np.mean(losses[-50:]):.4f} lr {lr:.1e} {time.time() - t0:.0f}s",

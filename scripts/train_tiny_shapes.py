@@ -168,6 +168,28 @@ def schedule(step: int, warmup: int, progress: float) -> float:
     return min(1.0, step / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, lit_weight: float) -> torch.Tensor:
+    """L1 + MSE with lit pixels weighted 1 + lit_weight: the shape is a few percent of a black frame."""
+    weight = 1.0 + lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
+    err = rec - x
+    return (weight * (err.abs() + err.square())).mean()
+
+
+def optimizer_step(opt: torch.optim.Optimizer, params, loss: torch.Tensor) -> None:  # noqa: ANN001
+    """One step of every stage here: gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def ema_update(ema: torch.nn.Module, model: torch.nn.Module, step: int, ema_max: float) -> None:
+    """EMA with warm-up: decay (1 + step) / (10 + step), capped at ema_max."""
+    decay = min(ema_max, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
+
+
 def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
     rng = np.random.default_rng(args.seed + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
@@ -185,15 +207,10 @@ def train_vae(vae, args, device: torch.device, log) -> dict:  # noqa: ANN001
             logvar = logvar.clamp(-30, 20)
             z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
             rec = decode_unclamped(vae, z).float()
-        weight = 1.0 + args.lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
-        err = rec - x
-        rec_loss = (weight * (err.abs() + err.square())).mean()
+        rec_loss = reconstruction_loss(rec, x, args.lit_weight)
         kl = 0.5 * (mu.square() + logvar.exp() - 1 - logvar).mean()
         loss = rec_loss + args.kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, vae.parameters(), loss)
         losses.append(rec_loss.item())
         if step % args.log_every == 0 or step == args.vae_steps:
             log(f"vae step {step} rec {np.mean(losses[-100:]):.4f} kl {kl.item():.3f} lr {lr:.2e} "
@@ -245,13 +262,8 @@ def finetune_decoder(vae, args, device: torch.device, log) -> dict:  # noqa: ANN
             with torch.no_grad():
                 z = vae._encode(x)[:, :Z_DIM]
             rec = decode_unclamped(vae, z).float()
-        weight = 1.0 + args.lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
-        err = rec - x
-        loss = (weight * (err.abs() + err.square())).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss = reconstruction_loss(rec, x, args.lit_weight)
+        optimizer_step(opt, params, loss)
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.finetune_steps:
             log(f"decoder step {step} rec {np.mean(losses[-args.log_every:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
@@ -327,13 +339,8 @@ def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.
             z0 = (vae._encode(x)[:, :Z_DIM] - mean) / std
             z = denoised_latents(ema, scheduler, tokenizer, z0, [sp.prompt for sp in specs], start, guidance, steps)
         rec = decode_unclamped(vae, z * std + mean).float()
-        weight = 1.0 + args.lit_weight * (x.amax(dim=1, keepdim=True) > 0).float()
-        err = rec - x
-        loss = (weight * (err.abs() + err.square())).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss = reconstruction_loss(rec, x, args.lit_weight)
+        optimizer_step(opt, params, loss)
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.dod_steps:
             log(f"decoder-on-dit step {step} rec {np.mean(losses[-args.log_every:]):.4f} lr {lr:.2e} "
@@ -507,13 +514,8 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
                                          return_dict=False)[0]
         loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight,
                             cmap, args.contrast_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
-        opt.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(list(ema.parameters()), list(models.parameters()), 1 - decay)
+        optimizer_step(opt, models.parameters(), loss)
+        ema_update(ema, models, step, args.ema)
         losses.append(loss.item())
         if step % (2 * args.log_every) == 0 or step == args.dit_steps:
             log(f"dit step {step} loss {np.mean(losses[-200:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
