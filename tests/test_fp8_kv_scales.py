@@ -79,6 +79,17 @@ def _add_kv_scales(model_dir, scales: dict[str, float]) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def llama_with_kv_scales(tmp_path):  # noqa: ANN001, ANN201
+    """A tiny Llama whose checkpoint carries k_scale/v_scale 0.02 + 0.01 * layer: (its folder, its layer count)."""
+    from llm_test_utils import make_tiny_model
+
+    path = make_tiny_model(tmp_path, "llama")
+    layers = json_layers(path)
+    _add_kv_scales(path, {f"model.layers.{i}.self_attn.{kind}_scale": 0.02 + 0.01 * i
+                          for i in range(layers) for kind in ("k", "v")})
+    return path, layers
+
+
 def test_checkpoint_kv_scales_are_loaded_and_used(tmp_path):
     """vLLM/SGLang-named k_scale/v_scale (and the k_proj.output_scale spelling) become static per-layer scales."""
 

@@ -106,14 +106,10 @@ def test_engine_kv_cache_scales_modes():
 
 
 def test_checkpoint_scales_win_over_calibration(tmp_path):
-    from llm_test_utils import make_tiny_model
     from sglx.llm.engine import Engine
-    from test_fp8_kv_scales import _add_kv_scales, json_layers
+    from test_fp8_kv_scales import llama_with_kv_scales
 
-    path = make_tiny_model(tmp_path, "llama")
-    layers = json_layers(path)
-    _add_kv_scales(path, {f"model.layers.{i}.self_attn.{kind}_scale": 0.02 + 0.01 * i
-                          for i in range(layers) for kind in ("k", "v")})
+    path, layers = llama_with_kv_scales(tmp_path)
     with Engine(model_path=str(path), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate",
                 max_total_tokens=512) as eng:
         pool = eng.runner.token_kv_pool

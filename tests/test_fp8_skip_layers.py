@@ -110,14 +110,10 @@ def test_registry_feature_matches_what_the_engine_checks():
 
 def test_checkpoint_scales_with_a_layer_kept(tmp_path):
     """A checkpoint's k_scale/v_scale still apply to the fp8 layers; the kept layer reads back unscaled."""
-    from llm_test_utils import make_tiny_model
     from sglx.llm.engine import Engine
-    from test_fp8_kv_scales import _add_kv_scales, json_layers
+    from test_fp8_kv_scales import llama_with_kv_scales
 
-    path = make_tiny_model(tmp_path, "llama")
-    layers = json_layers(path)
-    _add_kv_scales(path, {f"model.layers.{i}.self_attn.{kind}_scale": 0.02 + 0.01 * i
-                          for i in range(layers) for kind in ("k", "v")})
+    path, layers = llama_with_kv_scales(tmp_path)
     with Engine(model_path=str(path), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="0",
                 max_total_tokens=512, attention_backend="torch_native") as eng:
         pool = eng.runner.token_kv_pool
