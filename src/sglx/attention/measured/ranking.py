@@ -81,17 +81,24 @@ def _latest(entries: list[Measurement]) -> Measurement:
     return max(entries, key=lambda e: e.date)
 
 
+def _phase_entries(record: Record, kind: str, phase: str, kv_cache_dtype: str,
+                   runnable: Sequence[str]) -> tuple[list[Measurement], str]:
+    """The phase's medians of `runnable` backends at this KV dtype, or at 16-bit KV ("auto") when this dtype
+    was never measured for the phase; and the dtype used."""
+    pool = [e for e in record.entries if e.kind == kind and e.phase == phase and e.backend in runnable]
+    if kv_cache_dtype != "auto" and not any(e.kv_cache_dtype == kv_cache_dtype for e in pool) and pool:
+        kv_cache_dtype = "auto"
+    return [e for e in pool if e.kv_cache_dtype == kv_cache_dtype], kv_cache_dtype
+
+
 def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_size: int | None,
                runnable: Sequence[str], sglang_order: Sequence[str]) -> PhaseRanking:
     """Order the `runnable` backends for one phase by the record (see the module docstring); an unmeasured one
     follows only if SGLang's auto order (`sglang_order`) names it."""
-    pool = [e for e in record.entries if e.kind == kind and e.phase == phase and e.backend in runnable]
+    pool, kv = _phase_entries(record, kind, phase, kv_cache_dtype, runnable)
     notes: list[str] = []
-    kv = kv_cache_dtype
-    if kv != "auto" and not any(e.kv_cache_dtype == kv for e in pool) and pool:
-        notes.append(f"no {kv} KV {phase} measured here, so the 16-bit KV (auto) medians rank it")
-        kv = "auto"
-    pool = [e for e in pool if e.kv_cache_dtype == kv]
+    if kv != kv_cache_dtype:
+        notes.append(f"no {kv_cache_dtype} KV {phase} measured here, so the 16-bit KV (auto) medians rank it")
     if page_size is not None and pool:
         at_size = [e for e in pool if e.page_size == page_size]
         if at_size:
@@ -143,10 +150,7 @@ def global_worst_ratio(record: Record, kind: str, phase: str, kv_cache_dtype: st
 
     Why: prefill and decode share one page size, so a pick that is fastest at its own page size can still
     cost the other phase a slower page size; comparing both against the unconstrained best shows the cost."""
-    pool = [e for e in record.entries if e.kind == kind and e.phase == phase and e.backend in runnable]
-    if kv_cache_dtype != "auto" and not any(e.kv_cache_dtype == kv_cache_dtype for e in pool):
-        kv_cache_dtype = "auto"
-    pool = [e for e in pool if e.kv_cache_dtype == kv_cache_dtype]
+    pool, _ = _phase_entries(record, kind, phase, kv_cache_dtype, runnable)
     best: dict[str, float] = {}
     for e in pool:
         best[e.shape] = min(best.get(e.shape, float("inf")), e.median_ms)
