@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglx.bench.attention_inputs import DTYPES, AttentionCase, CaseInputs
+from sglx.bench.timing import TimingBudget, median_ms
 
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 
@@ -43,20 +44,14 @@ def _cudnn() -> Iterator[None]:
         yield
 
 
+# only to choose between two ways of making the same SDPA call; the chosen one is then timed in full
+CHOICE_BUDGET = TimingBudget(warmup_ms=5.0, rep_ms=20.0, min_runs=5, max_runs=50)
+
+
 def _quick_ms(fn: Callable[[], torch.Tensor], context: Callable[[], contextlib.AbstractContextManager],
-              reps: int = 10) -> float:
-    """A short CUDA-event median, only to choose between two ways of making the same SDPA call."""
-    times = []
+              device: torch.device) -> float:
     with context():
-        fn()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        return median_ms(fn, device, CHOICE_BUDGET).median_ms
 
 
 def sdpa_contiguous(case: AttentionCase, inputs: CaseInputs) -> PreparedRun:
@@ -108,8 +103,8 @@ def sdpa_contiguous(case: AttentionCase, inputs: CaseInputs) -> PreparedRun:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=case.scale)
 
     try:
-        other = _quick_ms(lower_right, contextlib.nullcontext)
-        mine = _quick_ms(run.fn, run.context)
+        other = _quick_ms(lower_right, contextlib.nullcontext, q.device)
+        mine = _quick_ms(run.fn, run.context, q.device)
     except RuntimeError as exc:
         run.detail += f"; lower-right causal bias refused ({str(exc).splitlines()[0][:60]})"
         return run
