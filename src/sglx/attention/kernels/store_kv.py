@@ -66,9 +66,12 @@ def _store_kv_per_token_kernel(
 
 def store_kv_to_pool(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:  # noqa: ANN001
     """k [T, H, D], v [T, H, Dv] -> the pool's layer at `loc`, in whatever scale mode the pool uses."""
+    if getattr(pool, "k_rotation", None) is not None:
+        # keys into the pool's rotated basis by one float32 GEMM, the same call the pool's own set_kv makes (per-token
+        # pools always rotate; static ones after calibrate_static_scales). A [D, D] rotation inside the per-token
+        # kernel (one token per program) spilled registers on the H100: 1.28 ms for 4096 tokens.
+        k = k.float() @ pool.k_rotation
     if not pool.per_token_scales:
-        if getattr(pool, "k_rotation", None) is not None:  # static scales, rotated keys (calibrate_static_scales)
-            k = k.float() @ pool.k_rotation
         fp8_dtype = pool.layer_fp8_dtype(layer_id) if hasattr(pool, "layer_fp8_dtype") else pool.fp8_dtype
         store_kv(k, v, pool.k_buffer[layer_id], pool.v_buffer[layer_id], loc, pool.k_scale[layer_id],
                  pool.v_scale[layer_id], fp8_dtype)  # None for a layer kept in the model dtype
@@ -78,13 +81,8 @@ def store_kv_to_pool(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc:
     num_tokens, heads, dim = k.shape
     if num_tokens == 0:
         return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
+    if v.stride(-1) != 1:  # k is the rotation's fresh, contiguous output
         v = v.contiguous()
-    # keys into the pool's rotated basis by one float32 GEMM, the same call the pool's own set_kv makes: a [D, D]
-    # rotation inside the kernel (one token per program) spilled registers on the H100 (1.28 ms for 4096 tokens)
-    k = k.float() @ pool.k_rotation
     k_buffer, v_buffer = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
     k_scale, v_scale = pool.k_scale[layer_id], pool.v_scale[layer_id]
     mult = pool.scale_multipliers
