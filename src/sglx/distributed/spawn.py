@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from sglx.distributed.group import MULTICAST_OFF_ENV, DistContext, destroy_distributed, init_distributed
 from sglx.errors import SglxError
+from sglx.exit_codes import describe_exit
 
 TERMINATE_GRACE_S = 3.0
 REPORT_GRACE_S = 5.0  # how long a rank that exited may take to have its report read
@@ -163,20 +164,6 @@ class _Failure:
     details: str = ""
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
-
-
 class WorkerGroup:
     """Background ranks started by `start_workers`; a thread watches them and records the first failure."""
 
@@ -291,7 +278,7 @@ class WorkerGroup:
                     while rank not in self._values and self._failure is None and time.monotonic() < deadline:
                         self._drain(0.1)
                     if rank not in self._values and self._failure is None and not self._closing:
-                        self._fail(rank, f"the process {_describe_exit(proc.exitcode)} without reporting")
+                        self._fail(rank, f"the process {describe_exit(proc.exitcode)} without reporting")
             if self.done and all(p.exitcode is not None for p in self._procs.values()):
                 return
 

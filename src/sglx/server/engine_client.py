@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sglx import exit_codes
 from sglx.errors import SglxError
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.loop_mailbox import LoopMailbox, MailboxRegistry
@@ -56,13 +57,8 @@ class EngineExited(Exception):
 
 
 def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is not answering"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    """How the engine process ended; no exit code yet means it stopped answering."""
+    return exit_codes.describe_exit(code, running="is not answering")
 
 
 class EngineClient:
