@@ -69,7 +69,7 @@ OFFLINE_ARGS="--num-prompts 400 --random-input-len 256 --random-output-len 64 --
 # carry per stage (bytes checked by `check`)
 CARRY_1=".whl/fi"
 CARRY_2=".whl/fa/c1"
-CARRY_3=".whl/fa/c2_ab"
+CARRY_3=".whl/fa/c2_ab .whl/serve"
 CARRY_4=".whl/fa/c2_ac"
 CARRY_5=".whl/fvs .whl/fvx"
 
@@ -160,6 +160,21 @@ fi_setup() {  # FlashInfer 0.5.3 from .whl/fi (or .whl/fi_extra once FA4's c1 br
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl >> "$W/pip_fi.txt" 2>&1
   done
   has_flashinfer && note "flashinfer: installed now" || note "flashinfer: NOT importable (carry .whl/fi)"
+}
+serve_setup() {  # fastapi/uvicorn/... from .whl/serve into /tmp/site_serve: only what the machine cannot import
+  # (its own httpx/anyio stay in charge); session 7's serving test failed on "No module named 'fastapi'"
+  local w mod missing=""
+  ls .whl/serve/*.whl > /dev/null 2>&1 || { note "serving wheels: NOT carried (.whl/serve)"; return 0; }
+  for w in .whl/serve/*.whl; do
+    mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+    [ "$mod" = opentelemetry_api ] && mod=opentelemetry
+    python3 -c "import $mod" > /dev/null 2>&1 && continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_serve "$w" >> "$W/pip_serve.txt" 2>&1
+    missing="$missing $mod"
+  done
+  PYTHONPATH=/tmp/site_serve python3 -c "import fastapi, uvicorn" > /dev/null 2>&1 \
+    && note "serving wheels: fastapi + uvicorn importable (installed:${missing:- none needed})" \
+    || note "serving wheels: fastapi/uvicorn NOT importable (see pip_serve.txt)"
 }
 fa4_setup() {  # stash every carried cu13 part, then the shared FA4 setup (pip c1 once, unpack once all 3 are here)
   local d
@@ -300,7 +315,8 @@ stage3() {  # sparse planning rework on the Triton route; serving vs offline; ov
   begin 540
   fa4_setup
   fi_setup
-  export PYTHONPATH=src:tests   # bare: auto-selection must not see the half-installed FA4
+  serve_setup
+  export PYTHONPATH=src:tests:/tmp/site_serve   # bare: auto-selection must not see the half-installed FA4
   # shellcheck disable=SC2086
   pyt sparse_triton_tests 130 $S3_SPARSE_TESTS -k "$S3_SPARSE_K"
   if [ ! -f "$S3_OFFLINE_TEST" ]; then note "offline_test: $S3_OFFLINE_TEST not in this tree"
@@ -316,7 +332,7 @@ stage3() {  # sparse planning rework on the Triton route; serving vs offline; ov
   if have 100; then offline_pair embedded_triton --attention-backend triton; else skip offline_embedded 100; fi
   if have 100; then offline_pair llama1b_triton --model-path llama-3.2-1b --load-format dummy --dtype bfloat16 \
     --attention-backend triton; else skip offline_llama1b_triton 100; fi
-  export PYTHONPATH=src:tests:/tmp/site
+  export PYTHONPATH=src:tests:/tmp/site:/tmp/site_serve
   if has_flashinfer && have 100; then offline_pair llama1b_flashinfer --model-path llama-3.2-1b --load-format dummy \
     --dtype bfloat16 --attention-backend flashinfer; else skip offline_llama1b_flashinfer 100; fi
 }

@@ -19,6 +19,7 @@ run() {  # name port serve-args... -- bench-args...
   local pid=$!
   for _ in $(seq 1 300); do
     curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    kill -0 "$pid" 2> /dev/null || { echo "sglx serve ($name) exited before it was healthy:"; tail -5 "$OUT/serve_$name.log"; return 1; }
     sleep 1
   done
   local compare=()
