@@ -355,6 +355,15 @@ stage4() {  # FA4 (a default prefill when installed) after the shared K/V store;
   # shellcheck disable=SC2086
   if have 60; then step attention_decode_b64 200 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
     tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 60; fi
+  # issue 12's one-batch target: the auto-selected pair (FA4 + FlashInfer installed) against triton, same run
+  local ob="python3 -m sglx bench one-batch --model-path llama-3.1-8b --load-format dummy --dtype bfloat16"
+  ob="$ob --batch-size 1,64 --input-len 512 --output-len 32"
+  # shellcheck disable=SC2086
+  if have 100; then step one_batch_auto 60 $ob --output "$W/one_batch_llama8b_auto.json"
+    tail -6 "$W/one_batch_auto.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+    step one_batch_triton 50 $ob --attention-backend triton --output "$W/one_batch_llama8b_triton.json"
+    tail -6 "$W/one_batch_triton.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+  else skip one_batch_auto_and_triton 100; fi
   if [ "${S4_REPEAT:-0}" != 1 ]; then note "prefill and B1 decode: recorded in session 6 (S4_REPEAT=1 reruns them)"; fi
   if [ "${S4_FA4_TESTS:-1}" != 1 ]; then note "fa4 tests: not run (S4_FA4_TESTS=0; 10 passed in session 6)"; fi
   [ "${S4_FA4_TESTS:-1}" = 1 ] && step fa4_tests 320 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 \
