@@ -128,8 +128,8 @@ register(BackendSpec(
           "the pool's pages in place, block tables built on the device, CUDA graphs; prefill is FlashInfer's "
           "(as in SGLang). fp8 KV as e4m3 only, one scale per layer as in flashinfer "
           "(--kv-cache-dtype-skip-layers too), and XQA's SM90 fp8 kernel "
-          "computes in fp8 (errors of 1e-2 to "
-          "4e-2 against float64); no logit soft-cap. Verified on SM90 (H100) only.",
+          "computes in fp8, queries and probabilities rounded to e4m3 (against float64 the H100 measured 0.036 "
+          "on a 202-token context and 0.14 on a 4-token one); no logit soft-cap. Verified on SM90 (H100) only.",
 ))
 
 register(BackendSpec(
