@@ -613,7 +613,16 @@ def main() -> None:
     p.add_argument("--dod-max-sigma", type=float, default=0.5, help="noise clips to at most this sigma")
     p.add_argument("--dod-clean-share", type=float, default=0.25, help="share of clips decoded from the "
                    "encoder's own latent (plain reconstruction)")
+    p.add_argument("--size-range", default="", help="min,max shape extent in pixels for the training clips "
+                   "(default: shapes_task.SIZE_RANGE); bigger shapes span more DiT tokens, so corners are whole-token "
+                   "features")
+    p.add_argument("--speed-range", default="", help="min,max pixels a frame (default: shapes_task.SPEED_RANGE); "
+                   "slower keeps a bigger shape's whole track inside the frame")
     args = p.parse_args()
+    for flag, name in ((args.size_range, "SIZE_RANGE"), (args.speed_range, "SPEED_RANGE")):
+        if flag:
+            lo, hi = (float(v) for v in flag.split(","))
+            setattr(task, name, (lo, hi))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -630,7 +639,8 @@ def main() -> None:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    info: dict = {"args": vars(args), "torch": torch.__version__,
+    info: dict = {"args": vars(args), "torch": torch.__version__, "size_range": list(task.SIZE_RANGE),
+                  "speed_range": list(task.SPEED_RANGE),
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     if args.resume:
         text_encoder, vae, transformer, scheduler, tokenizer = load_models(Path(args.resume))
