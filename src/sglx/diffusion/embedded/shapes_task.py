@@ -23,8 +23,9 @@ STEP: dict[str, tuple[float, float]] = {"left": (-1.0, 0.0), "right": (1.0, 0.0)
 WORDS = ("a", *COLOURS, *SHAPES, "moving", *DIRECTIONS)
 HEIGHT = WIDTH = 64
 NUM_FRAMES = 17
-SIZE_RANGE = (12.0, 18.0)  # shape extent in pixels (circle diameter, square side, triangle base and height)
-SPEED_RANGE = (1.5, 2.0)  # pixels per frame
+SIZE_RANGE = (20.0, 26.0)  # shape extent in pixels (circle diameter, square side, triangle base and height);
+# 12-18 px until session 7: a shape then spanned ~2x2 DiT tokens (8x8 px each) and the DiT rounded squares
+SPEED_RANGE = (1.0, 1.5)  # pixels per frame (slower since session 7, so a bigger shape's track fits the frame)
 MARGIN = 1.0
 
 # Checker thresholds (see judge_frame): a pixel is "lit" when its brightest channel reaches LIT.
