@@ -11,9 +11,11 @@ With one split, stage 1 writes the output itself and stage 2 is skipped (no floa
 Launch defaults (`resolve_config`, H100 sweep of 2026-11-23, B64 H128 ctx 4096, page 1, bf16): with 64+
 heads on SM90, 64 heads per program with 8 warps (wgmma; 4 warps spill), 64-key tiles, 2 stages, and one
 split once the batch's programs fill ~90% of the SMs (0.330 ms; 16-head blocks with 4 warps: 1.039 ms;
-FlashInfer MLA 0.155 ms in the same run). Otherwise (few heads, fp8 latents, other GPUs) 16-head
-blocks, 32-key tiles, 4 warps. The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to
-1024. Slots come from `kv_indices`, so any page size works; fp8 latents dequantize in registers.
+FlashInfer MLA 0.155 ms in the same run). fp8 latents take the same wide launch since session 7 (0.492 ms
+vs 1.383 ms for the 16-head launch, same error, H100 B64 H128 ctx 4096; benchmarks/results/
+mla_decode_b64_h100_s7.json). Otherwise (few heads, other GPUs) 16-head blocks, 32-key tiles, 4 warps.
+The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to 1024. Slots come from
+`kv_indices`, so any page size works; fp8 latents dequantize in registers.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode
            "resolve_config", "wide_launch"]
 
 # wgmma needs 64-row tiles; 8 warps keep the [64, 512] accumulator in registers. With fp8 latents it also
-# compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and is correct in the
-# interpreter; whether it beats the 16-head launch (1.38 ms at B64 H128 ctx 4096 on the H100) is unmeasured,
-# so fp8 keeps the 16-head default until benchmarks/bench_mla_decode.py (which times both for fp8) says.
+# compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and on the H100 (session
+# 7, B64 H128 ctx 4096) it took 0.492 ms against the 16-head launch's 1.383 ms with the same error, so it is the
+# fp8 default too (benchmarks/bench_mla_decode.py still times both).
 WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1)
 
 
@@ -53,7 +55,7 @@ class MLADecodeConfig:
 def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch.device,
                    interpret: bool = False) -> MLADecodeConfig:
     """The config with every None field set (see the module docstring for where the defaults come from)."""
-    wide = (not interpret and not fp8 and heads >= 64 and device.type == "cuda" and torch.version.hip is None
+    wide = (not interpret and heads >= 64 and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device) >= (9, 0))
     if interpret:
         defaults = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, waves=4)
