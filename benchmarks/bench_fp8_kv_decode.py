@@ -2,15 +2,16 @@
 
 Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/bench_fp8_kv_decode.py --output fp8.json [--recall 200]
 Decode shape (issue 13): B=64, 32 query / 8 KV heads, head dim 128, context 4096, pages 1 and 16 shuffled.
-Timed, each after a check against SDPA over what the cache holds (dequantized; per-token: rotated queries
-over the rotated keys): SDPA cuDNN on contiguous bf16 KV (the baseline), triton bf16 paged, triton fp8
-e4m3 with one scale per layer (the old path; also at block_n 128), triton fp8 e4m3 with per-token scales in
-every `DecodeConfig.token_scale_fold` side by side (session 6's "tile_max" and the default "exponent", also at
-block_n 128; the default also with the per-layer query rotation), and the K/V store of one decode step and
-of a 4096-token prefill. do_bench medians, L2 flushed. --recall N: the embedded model answering N prompts of
-62 pairs, triton first (fp8_e4m3 per-token, the point of the exercise), then torch_native, auto / fp8_e4m3 /
-fp8_e5m2 KV with per-token scales and (the old path) one static scale of 1.0 per layer; rows that would run
-past --budget-s (default 150: the GPU session's step has 170 s, imports included) are skipped and say so.
+Timed, each after a check against SDPA over what the cache holds (dequantized; per-token: rotated queries over
+the rotated keys): SDPA cuDNN on contiguous bf16 KV (the baseline), triton bf16 paged, triton fp8 e4m3 with
+one scale per layer (the old path; also at block_n 128), triton fp8 e4m3 with per-token scales in every
+`DecodeConfig.token_scale_fold` side by side ("tile_max", the default until session 7, and "exponent", the
+default since, also at block_n 128; the default also with the per-layer query rotation), and the K/V store of
+one decode step and of a 4096-token prefill. do_bench medians, L2 flushed. --recall N: the embedded model
+answering N prompts of 62 pairs, triton first (fp8_e4m3 per-token, the point of the exercise), then
+torch_native, auto / fp8_e4m3 / fp8_e5m2 KV with per-token scales and (the old path) one static scale of 1.0
+per layer; rows that would run past --budget-s (default 150: the GPU session's step has 170 s, imports
+included) are skipped and say so.
 The JSON is written after every row. --device cpu runs only the recall, through torch_native.
 """
 

@@ -229,11 +229,11 @@ def _decode_stage2(
 
 FP8_CONVERTS = {"cast": 0, "ptx_v": 1, "ptx_kv": 2}
 TOKEN_SCALE_FOLDS = {"tile_max": 0, "exponent": 1}
-# tile_max is the fold that passed the H100's GPU tests and was timed there (session 6); exponent does less work by
-# static count (sm_90a SASS: 745 vs 829 instructions a loop, 122 vs 153 registers) and passes the interpreter, but has
-# never run on a GPU: it becomes the default only after benchmarks/bench_fp8_kv_decode.py's same-run A/B and the GPU
-# tests (tests/gpu/test_fp8_kv_gpu.py) on a device.
-DEFAULT_TOKEN_SCALE_FOLD = "tile_max"
+# exponent does less work by static count (sm_90a SASS: 745 vs 829 instructions a loop, 122 vs 153 registers) and in
+# the H100's same-run A/B (session 7, B64 Hq32/Hkv8 ctx 4096, benchmarks/results/fp8_kv_decode_h100_s7.json) it took
+# 0.2664 / 0.2627 ms at page 1 / 16 against tile_max's 0.3383 / 0.3168 ms, with the same error (7.3e-04); it passed
+# tests/gpu/test_fp8_kv_gpu.py on that GPU. tile_max stays selectable (DecodeConfig.token_scale_fold).
+DEFAULT_TOKEN_SCALE_FOLD = "exponent"
 
 
 def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, interpret: bool) -> int:
