@@ -396,8 +396,11 @@ stage5() {  # diffusion: fa's refactored dense path and LSE, sparse backends aft
     T_FA4TESTS=40 bash benchmarks/run_sparse_backends_device.sh s6
   tail -24 "$W/sparse_phase2.txt" | cut -c1-220 >> "$W/summary.txt"
   cp "$W"/sparse/sparse_backends_s6.json "$W"/sparse/bench_sparse_step_s6.json "$W/" 2>/dev/null
-  local dense=torch_sdpa
+  local dense=torch_sdpa fv=.whl/fvs
   has_fa4 && dense=torch_sdpa,fa
+  # the compare's upstream rows need fastvideo_kernel on the path the sparse script used (session 7: "No module")
+  [ -d /tmp/fvk ] && fv=/tmp/fvk
+  export PYTHONPATH=$PYTHONPATH:$fv
   python3 -m sglx.attention.diffusion.sparse.sta_strategy "$STA_FILE" --layers 30 --heads 12 --window 3,3,3 \
     > /dev/null 2>&1 || note "STA strategy file not written"
   # shellcheck disable=SC2086

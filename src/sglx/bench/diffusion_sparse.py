@@ -250,11 +250,12 @@ def _flex_row(view: PlanView, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     vs = to_slots(v, view.k_index).transpose(1, 2).contiguous()
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     gqa = hq != hkv
+    options = _flex_kernel_options(lay.q_block, lay.k_block) if device.type == "cuda" else None
 
     def kernel() -> torch.Tensor:
         with warnings.catch_warnings():  # eager flex (CPU) warns that it is unfused: known, it is the anchor here
             warnings.simplefilter("ignore", UserWarning)
-            return flex(qs, ks, vs, block_mask=mask, scale=scale, enable_gqa=gqa)
+            return flex(qs, ks, vs, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 
     def in_input_order() -> torch.Tensor:  # for the check only; the timed call is `kernel`
         return from_slots(kernel().transpose(1, 2), view.q_slot)
@@ -262,6 +263,20 @@ def _flex_row(view: PlanView, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _Row("flex same mask", "anchor", in_input_order, tol, allowed, view.density,
                 f"{'compiled' if device.type == 'cuda' else 'eager'} flex_attention on permuted tokens", of,
                 timed=kernel)
+
+
+def _flex_kernel_options(q_block: int, k_block: int) -> dict[str, int] | None:
+    """Compiled flex needs the mask's block sizes to be multiples of its kernel tiles. Its default tiles (128 query
+    rows x 64 keys on the H100) do not divide the 64-token blocks of VSA/VMoBA/SVG2: session 7's GPU run failed
+    there with "Q and KV block size must be divisible"; then the largest tiles that divide them are asked for.
+    None keeps flex's own choice where it already fits (STA's tiles)."""
+    if q_block % 128 == 0 and k_block % 64 == 0:
+        return None
+
+    def tile(block: int) -> int:
+        return next(t for t in (128, 64, 32, 16) if block % t == 0) if block % 16 == 0 else block
+
+    return {"BLOCK_M": tile(q_block), "BLOCK_N": min(tile(k_block), 64)}
 
 
 def _block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
