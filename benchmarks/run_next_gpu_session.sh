@@ -65,6 +65,8 @@ S5_SPARSE="sliding_tile_attn,video_sparse_attn,vmoba_attn,sparse_video_gen_2_att
 STA_FILE=$ROOT/sta_uniform_3x3x3.json   # STA needs a mask strategy: uniform 3x3x3 windows (sta_strategy's CLI)
 S5_CONFIGS="--attention-backend-config video_sparse_attn:sparsity=0.875
  --attention-backend-config sliding_tile_attn:mask_strategy_file_path=$STA_FILE"
+ONE_BATCH_8B="--model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --batch-size 1,64 --input-len 512
+ --output-len 32"   # stage 2 (triton) and stage 4 (the auto pair against triton, same run)
 OFFLINE_ARGS="--num-prompts 400 --random-input-len 256 --random-output-len 64 --random-range-ratio 0.5"
 # carry per stage (bytes checked by `check`)
 CARRY_1=".whl/fi"
@@ -139,6 +141,12 @@ pyt() {  # name limit pytest-args...: a -m gpu pytest step with its tally in the
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=12 "$@"
   pytest_result "$W/$name.txt" | sed 's/^/    /' >> "$W/summary.txt"
+}
+one_batch() {  # name limit extra-args...: the 8B one-batch ($ONE_BATCH_8B) into $W/<name>.json, its table in the summary
+  local name=$1 limit=$2; shift 2
+  # shellcheck disable=SC2086
+  step "$name" "$limit" python3 -m sglx bench one-batch $ONE_BATCH_8B "$@" --output "$W/$name.json"
+  tail -6 "$W/$name.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
 }
 mla_rows() {  # route, ms and error of each row of a bench_mla_decode.py report
   python3 - "$1" >> "$W/summary.txt" 2>&1 <<'EOF'
@@ -278,10 +286,7 @@ stage2() {  # measurements that need no FA4: fp8 KV decode (issue 13 target), ML
     mla_rows "$W/mla_decode_b64.json"
   else skip mla_decode_b64 50; fi
   if have 80; then  # skipped in session 6: bs1 / bs64 decode against the same-run floor (issue 13's 1.15x / 1.20x)
-    step one_batch_llama8b 90 python3 -m sglx bench one-batch --model-path llama-3.1-8b --load-format dummy \
-      --dtype bfloat16 --attention-backend triton --batch-size 1,64 --input-len 512 --output-len 32 \
-      --output "$W/one_batch_llama8b.json"
-    tail -6 "$W/one_batch_llama8b.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+    one_batch one_batch_llama8b 90 --attention-backend triton
   else skip one_batch_llama8b 80; fi
   if have 40; then
     step mla_decode_b1 50 python3 benchmarks/bench_mla_decode.py --pages 1 --kv-cache-dtypes auto --batch 1 \
@@ -298,15 +303,13 @@ offline_pair() {  # tag extra-args...: a discarded warm run, then overlap on, th
   # session 7: without the warm run the pair's first process JIT-compiled Triton kernels for its batch shapes inside
   # its timed run (the engine's warm-up covers one shape) and the second hit the disk cache: embedded on/off 0.33x
   # and llama-3.2-1b 1.52x in the same stage, both with "on" first
-  # shellcheck disable=SC2086
-  step "offline_${tag}_warm" 60 python3 -m sglx bench offline-throughput --device cuda "$@" $OFFLINE_ARGS \
-    --output-file "$W/offline_${tag}_warm.json.discard"
-  # shellcheck disable=SC2086
-  step "offline_${tag}_on" 60 python3 -m sglx bench offline-throughput --device cuda "$@" $OFFLINE_ARGS \
-    --output-file "$W/offline_${tag}_on.json"
-  # shellcheck disable=SC2086
-  step "offline_${tag}_off" 60 python3 -m sglx bench offline-throughput --device cuda "$@" $OFFLINE_ARGS \
-    --disable-overlap-schedule --output-file "$W/offline_${tag}_off.json"
+  local mode extra
+  for mode in warm on off; do  # the warm run's report is not a .json, so finish() never returns it
+    extra=""; [ "$mode" = off ] && extra=--disable-overlap-schedule
+    # shellcheck disable=SC2086
+    step "offline_${tag}_$mode" 60 python3 -m sglx bench offline-throughput --device cuda "$@" $OFFLINE_ARGS $extra \
+      --output-file "$W/offline_${tag}_$mode.json$([ "$mode" = warm ] && echo .discard)"
+  done
   python3 - "$W/offline_${tag}_on.json" "$W/offline_${tag}_off.json" "$tag" >> "$W/summary.txt" 2>&1 <<'EOF'
 import json, sys
 try:
@@ -356,18 +359,12 @@ stage4() {  # FA4 (a default prefill when installed) after the shared K/V store;
   if have 60; then step attention_decode_b64 200 $bench $S4_DECODE_B64 --output "$W/attention_decode_b64.json"
     tail -18 "$W/attention_decode_b64.txt" | cut -c1-160 >> "$W/summary.txt"; else skip attention_decode_b64 60; fi
   # issue 12's one-batch target: the auto-selected pair (FA4 + FlashInfer installed) against triton, same run
-  local ob="python3 -m sglx bench one-batch --model-path llama-3.1-8b --load-format dummy --dtype bfloat16"
-  ob="$ob --batch-size 1,64 --input-len 512 --output-len 32"
-  # shellcheck disable=SC2086
-  if have 100; then step one_batch_auto 60 $ob --output "$W/one_batch_llama8b_auto.json"
-    tail -6 "$W/one_batch_auto.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
-    step one_batch_triton 50 $ob --attention-backend triton --output "$W/one_batch_llama8b_triton.json"
-    tail -6 "$W/one_batch_triton.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+  if have 100; then one_batch one_batch_llama8b_auto 60; one_batch one_batch_llama8b_triton 50 --attention-backend triton
   else skip one_batch_auto_and_triton 100; fi
   if [ "${S4_REPEAT:-0}" != 1 ]; then note "prefill and B1 decode: recorded in session 6 (S4_REPEAT=1 reruns them)"; fi
-  if [ "${S4_FA4_TESTS:-1}" != 1 ]; then note "fa4 tests: not run (S4_FA4_TESTS=0; 10 passed in session 6)"; fi
-  [ "${S4_FA4_TESTS:-1}" = 1 ] && step fa4_tests 320 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 \
-    bash benchmarks/run_fa4_llm_device.sh
+  if [ "${S4_FA4_TESTS:-1}" = 1 ]; then
+    step fa4_tests 320 env OUT="$W/fa4" STAGE=fa4 BENCH=0 TEST_LIMIT=150 bash benchmarks/run_fa4_llm_device.sh
+  else note "fa4 tests: not run (S4_FA4_TESTS=0; 10 passed in session 6)"; fi
   pytest_result "$W/fa4/gpu_tests_fa4.txt" | sed 's/^/    /' >> "$W/summary.txt"
   grep -E "fa4|flashinfer|trtllm|triton" "$W/fa4/doctor_llm_check_fa4.txt" 2>/dev/null | head -8 | cut -c1-160 \
     | sed 's/^/    doctor: /' >> "$W/summary.txt"
