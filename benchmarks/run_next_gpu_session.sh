@@ -410,7 +410,7 @@ stage5() {  # diffusion: fa's refactored dense path and LSE, sparse backends aft
 stage6() {  # tiny-shapes training alone (issue 10): carry .whl/shapes/diffusers-0.42.1-py3-none-any.whl, any machine
   begin 540
   local secs=${TRAIN_SHAPES_S:-360}
-  step train_tiny_shapes $((secs + 170)) env SITE=/tmp/site_shapes OUT="$W/shapes" LOGDIR="$W/shapes" EVAL=1 \
+  step train_tiny_shapes $((secs + 170)) env SITE=/tmp/site_shapes OUT="$W/shapes" LOGDIR="$W/shapes" EVAL="${S6_EVAL:-1}" \
     DIT_SECONDS="$secs" TRAIN_ARGS="${TRAIN_SHAPES_ARGS:---te-lr-mult 5 --fg-weight 4 --train-shift 1.0 --dit-lr 4e-4}" \
     bash scripts/train_tiny_shapes_device.sh
   grep -E "time limit|saved|moving" "$W/train_tiny_shapes.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"

@@ -412,6 +412,40 @@ def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.devic
     return torch.where(mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
 
 
+class PromptTable:
+    """Every prompt the DiT stage can draw ("", the 48 moving and 12 still ones), tokenized once. A step
+    encodes the table's 61 rows and gathers a row per sample, instead of tokenizing and encoding 512-1,024
+    strings: the text encoder has no dropout, so the gathered rows are exactly the per-sample encodings."""
+
+    def __init__(self, tokenizer, device: torch.device) -> None:  # noqa: ANN001
+        self.prompts = ["", *(s.prompt for s in task.motion_specs()), *(s.prompt for s in task.still_specs())]
+        self.index = {p: i for i, p in enumerate(self.prompts)}
+        inputs = tokenizer(self.prompts, padding="max_length", max_length=MAX_LEN, truncation=True,
+                           add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        self.ids, self.mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+
+    def encode(self, text_encoder, rows: np.ndarray) -> torch.Tensor:  # noqa: ANN001
+        embeds = text_encoder(self.ids, self.mask).last_hidden_state
+        table = torch.where(self.mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
+        return table[torch.as_tensor(rows, device=table.device)]
+
+
+def compile_blocks(transformer, log) -> bool:  # noqa: ANN001
+    """torch.compile each DiT block (diffusers' regional compile): the 2.3M-parameter DiT at batch 512 is
+    bound by many small elementwise kernels, which inductor fuses. False when this torch/diffusers cannot."""
+    try:
+        transformer.compile_repeated_blocks(fullgraph=True)
+    except Exception as exc:  # noqa: BLE001 - an experiment knob: fall back to eager, say why
+        log(f"compile: not available ({type(exc).__name__}: {exc}); eager")
+        return False
+    return True
+
+
+def uncompile_blocks(transformer) -> None:  # noqa: ANN001
+    for block in transformer.blocks:
+        block._compiled_call_impl = None
+
+
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, x0: torch.Tensor, background: torch.Tensor,
                  fg_weight: float, contrast: torch.Tensor | None = None, contrast_weight: float = 0.0) -> torch.Tensor:
     """MSE with the shape's latent positions (and one position around them) weighted 1 + fg_weight: the
@@ -479,7 +513,9 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
     background = latents[:2048].median(dim=0).values.unsqueeze(0)
     motion_idx = np.array([i for i, s in enumerate(specs) if s.direction is not None])
     still_idx = np.array([i for i, s in enumerate(specs) if s.direction is None])
-    t0, step, losses = time.time(), 0, []
+    table = PromptTable(tokenizer, device)
+    compiled = args.compile and device.type == "cuda" and compile_blocks(models["transformer"], log)
+    t0, step, losses, pending = time.time(), 0, [], []
     last_checkpoint = t0
     for step in range(1, args.dit_steps + 1):
         lr = args.dit_lr * schedule(step, args.dit_warmup,
@@ -491,15 +527,17 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
             idx = rng.integers(len(specs), size=args.batch * 2)
             x0 = latents[torch.as_tensor(idx, device=device), :, :1]
             cmap = contrast[torch.as_tensor(idx, device=device), :, :1] if contrast is not None else None
-            prompts = [specs[i].prompt if rng.random() < 0.5 else task.ShapeSpec(specs[i].shape, specs[i].colour).prompt
-                       for i in idx]
+            own = rng.random(len(idx)) < 0.5
+            prompts = [specs[i].prompt if o else task.ShapeSpec(specs[i].shape, specs[i].colour).prompt
+                       for i, o in zip(idx, own, strict=True)]
         else:
             n_still = int(round(args.batch * 0.15))
             idx = np.concatenate([rng.choice(motion_idx, args.batch - n_still), rng.choice(still_idx, n_still)])
             x0 = latents[torch.as_tensor(idx, device=device)]
             cmap = contrast[torch.as_tensor(idx, device=device)] if contrast is not None else None
             prompts = [specs[i].prompt for i in idx]
-        prompts = ["" if rng.random() < args.text_dropout else p for p in prompts]
+        rows = np.array([table.index[p] for p in prompts])
+        rows[rng.random(len(rows)) < args.text_dropout] = 0  # "" for classifier-free guidance
         b = x0.shape[0]
         # stratified: one draw in each of b equal bins, so every batch covers all noise levels
         perm = torch.rand(b, device=device, generator=gen).argsort()
@@ -508,16 +546,30 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         noise = torch.randn(x0.shape, device=device, generator=gen)
         s = sigma.view(b, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            context = encode_text(tokenizer, models["text_encoder"], prompts, device)
-            pred = models["transformer"](hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
-                                         return_dict=False)[0]
-        loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight,
-                            cmap, args.contrast_weight)
-        optimizer_step(opt, models.parameters(), loss)
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                context = table.encode(models["text_encoder"], rows)
+                pred = models["transformer"](hidden_states=xt, timestep=sigma * 1000,
+                                             encoder_hidden_states=context, return_dict=False)[0]
+            loss = weighted_mse(pred.float(), noise - x0, x0, background[:, :, :x0.shape[2]], args.fg_weight,
+                                cmap, args.contrast_weight)
+            optimizer_step(opt, models.parameters(), loss)
+        except Exception as exc:  # noqa: BLE001 - a compiled block that fails on its first shapes: go eager
+            if not compiled or step > 16:
+                raise
+            log(f"compile: failed at step {step} ({type(exc).__name__}: {str(exc)[:200]}); eager from here")
+            uncompile_blocks(models["transformer"])
+            compiled = False
+            opt.zero_grad(set_to_none=True)
+            continue
         ema_update(ema, models, step, args.ema)
-        losses.append(loss.item())
+        pending.append(loss.detach())  # read back in groups: a .item() per step stalls the GPU queue
+        if len(pending) >= 50:
+            losses.extend(torch.stack(pending).tolist())
+            pending.clear()
         if step % (2 * args.log_every) == 0 or step == args.dit_steps:
+            losses.extend(torch.stack(pending).tolist() if pending else [])
+            pending.clear()
             log(f"dit step {step} loss {np.mean(losses[-200:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
         if time.time() - t0 > args.dit_seconds:
             log(f"dit: time limit after {step} steps")
@@ -526,7 +578,9 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         if checkpoint is not None and due:
             checkpoint(ema, step)
             last_checkpoint = time.time()
-    info = {"dit_steps_run": step, "dit_loss": float(np.mean(losses[-200:])), "dit_seconds": time.time() - t0}
+    losses.extend(torch.stack(pending).tolist() if pending else [])
+    info = {"dit_steps_run": step, "dit_loss": float(np.mean(losses[-200:])), "dit_seconds": time.time() - t0,
+            "compiled": bool(compiled)}
     return info, ema
 
 
@@ -599,6 +653,7 @@ def main() -> None:
     p.add_argument("--contrast-weight", type=float, default=0.0, help="extra loss weight (x the share of a 4x4 "
                    "pixel cell that differs) on the latent positions where the clip's shape differs from the other "
                    "two shapes at the same place and size: a square's corners (0: off; the CPU study used 30)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks (CUDA; eager if it fails)")
     p.add_argument("--dit-warmup", type=int, default=300, help="DiT learning-rate warm-up steps")
     p.add_argument("--train-shift", type=float, default=SHIFT, help="flow shift of the DiT's training timesteps "
                    "(below the scheduler's shift: more low-noise steps, where edges and corners are drawn)")
