@@ -151,20 +151,17 @@ def test_vae_scale_factors_are_its_real_compression(engine) -> None:
     assert grid[0] >= 4 and grid[1] >= 8 and grid[2] >= 8  # real tiles for tile-based sparse attention
 
 
-# every shape, colour and direction, each prompt once (a rotation through the 48, fixed before training)
-SUBSET = [task.motion_specs()[i] for i in (0, 5, 10, 15, 17, 22, 27, 28, 36, 41, 46, 47)]
-# Measured over all 48 prompts at the defaults (seed 0, CPU float32, run 5 weights): colour 48/48,
-# direction 48/48, shape 29/48 (86.8%); this subset: 32/36 (run 4: 117/144, subset 30/36).
-SHAPE_GAP = ("shape is judged right for every circle and 13 of 16 triangles but no square (29/48): the DiT still "
-             "draws squares with a circle's fill even on the 20-26 px shapes of run 5, and its loss was still "
-             "falling when run 5 stopped; see the model README")
+# The issue's criterion, exactly: all 48 moving prompts at the model's defaults (seed 0, CPU float32, one thread).
+# Shipped weights (session 9): colour 48/48, direction 48/48, shape 44/48 (four squares judged circles) = 97.2%;
+# run 5's weights gave 86.8% (squares 0/16). About 1 s a clip.
 
 
-def _judge_subset(engine) -> dict[str, list[bool]]:
+@pytest.fixture(scope="module")
+def all_judged(engine, single_torch_thread) -> dict[str, list[bool]]:
     from sglx.diffusion.request import DiffusionRequest
 
     out: dict[str, list[bool]] = {"colour": [], "shape": [], "direction": []}
-    for spec in SUBSET:
+    for spec in task.motion_specs():
         res = engine.generate(DiffusionRequest(prompt=spec.prompt))
         assert res.frames.shape == (17, 64, 64, 3)
         for attr, ok in task.score(spec, task.judge(res.frames), 17).items():
@@ -172,25 +169,20 @@ def _judge_subset(engine) -> dict[str, list[bool]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def subset_judged(engine, single_torch_thread) -> dict[str, list[bool]]:
-    return _judge_subset(engine)
+def test_model_draws_the_colour_and_direction_asked(all_judged) -> None:
+    right = all_judged["colour"] + all_judged["direction"]
+    assert sum(right) >= 0.95 * len(right), all_judged
 
 
-def test_subset_covers_the_task() -> None:
-    assert {s.shape for s in SUBSET} == set(task.SHAPES) and {s.colour for s in SUBSET} == set(task.COLOURS)
-    assert {s.direction for s in SUBSET} == set(task.DIRECTIONS)
+def test_model_meets_the_95_percent_target(all_judged) -> None:
+    right = [ok for oks in all_judged.values() for ok in oks]
+    assert len(right) == 144 and sum(right) >= 0.95 * len(right), all_judged
 
 
-def test_model_draws_the_colour_and_direction_asked(subset_judged) -> None:
-    right = subset_judged["colour"] + subset_judged["direction"]
-    assert sum(right) >= 0.95 * len(right), subset_judged
-
-
-@pytest.mark.xfail(strict=True, reason=SHAPE_GAP)
-def test_model_meets_the_95_percent_target(subset_judged) -> None:
-    right = [ok for oks in subset_judged.values() for ok in oks]
-    assert sum(right) >= 0.95 * len(right), subset_judged
+def test_model_draws_every_shape(all_judged) -> None:
+    """No shape may be the one the model cannot draw (squares were 0/16 until session 9; 12/16 now)."""
+    for i, shape in enumerate(task.SHAPES):
+        assert sum(all_judged["shape"][16 * i:16 * (i + 1)]) >= 10, (shape, all_judged["shape"])
 
 
 def test_model_draws_a_still_image(engine, single_torch_thread) -> None:
