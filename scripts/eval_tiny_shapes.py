@@ -31,7 +31,7 @@ from sglx.diffusion.engine import DiffusionEngine
 from sglx.diffusion.request import DiffusionRequest
 from sglx.llm.engine_config import EngineConfig
 
-# every shape, colour and direction, each prompt once (tests/test_tiny_shapes.py's SUBSET)
+# every shape, colour and direction, each prompt once (the subset tests/test_tiny_shapes.py judged until session 9)
 SUBSET = (0, 5, 10, 15, 17, 22, 27, 28, 36, 41, 46, 47)
 
 

@@ -403,13 +403,21 @@ def _encode_clips(vae, args, device: torch.device) -> tuple[torch.Tensor, list]:
 # ----------------------------------------------------------------------------------------- text + DiT
 
 
-def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:  # noqa: ANN001
-    """Embeddings exactly as sglx's (and diffusers') Wan pipeline builds them: zeros past the prompt."""
+def tokenize(tokenizer, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Token ids and attention mask, padded to MAX_LEN as the pipeline pads them."""
     inputs = tokenizer(prompts, padding="max_length", max_length=MAX_LEN, truncation=True,
                        add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-    ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    return inputs.input_ids.to(device), inputs.attention_mask.to(device)
+
+
+def masked_embeddings(text_encoder, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Embeddings exactly as sglx's (and diffusers') Wan pipeline builds them: zeros past the prompt."""
     embeds = text_encoder(ids, mask).last_hidden_state
     return torch.where(mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
+
+
+def encode_text(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:  # noqa: ANN001
+    return masked_embeddings(text_encoder, *tokenize(tokenizer, prompts, device))
 
 
 class PromptTable:
@@ -420,13 +428,10 @@ class PromptTable:
     def __init__(self, tokenizer, device: torch.device) -> None:  # noqa: ANN001
         self.prompts = ["", *(s.prompt for s in task.motion_specs()), *(s.prompt for s in task.still_specs())]
         self.index = {p: i for i, p in enumerate(self.prompts)}
-        inputs = tokenizer(self.prompts, padding="max_length", max_length=MAX_LEN, truncation=True,
-                           add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-        self.ids, self.mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+        self.ids, self.mask = tokenize(tokenizer, self.prompts, device)
 
     def encode(self, text_encoder, rows: np.ndarray) -> torch.Tensor:  # noqa: ANN001
-        embeds = text_encoder(self.ids, self.mask).last_hidden_state
-        table = torch.where(self.mask.gt(0).unsqueeze(-1), embeds, torch.zeros_like(embeds))
+        table = masked_embeddings(text_encoder, self.ids, self.mask)
         return table[torch.as_tensor(rows, device=table.device)]
 
 
@@ -517,6 +522,12 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
     compiled = args.compile and device.type == "cuda" and compile_blocks(models["transformer"], log)
     t0, step, losses, pending = time.time(), 0, [], []
     last_checkpoint = t0
+
+    def read_losses() -> None:  # read back in groups: a .item() per step stalls the GPU queue
+        if pending:
+            losses.extend(torch.stack(pending).tolist())
+            pending.clear()
+
     for step in range(1, args.dit_steps + 1):
         lr = args.dit_lr * schedule(step, args.dit_warmup,
                                     max(step / args.dit_steps, (time.time() - t0) / args.dit_seconds))
@@ -563,13 +574,11 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
             opt.zero_grad(set_to_none=True)
             continue
         ema_update(ema, models, step, args.ema)
-        pending.append(loss.detach())  # read back in groups: a .item() per step stalls the GPU queue
+        pending.append(loss.detach())
         if len(pending) >= 50:
-            losses.extend(torch.stack(pending).tolist())
-            pending.clear()
+            read_losses()
         if step % (2 * args.log_every) == 0 or step == args.dit_steps:
-            losses.extend(torch.stack(pending).tolist() if pending else [])
-            pending.clear()
+            read_losses()
             log(f"dit step {step} loss {np.mean(losses[-200:]):.4f} lr {lr:.2e} {time.time() - t0:.0f}s")
         if time.time() - t0 > args.dit_seconds:
             log(f"dit: time limit after {step} steps")
@@ -578,7 +587,7 @@ def train_dit(transformer, text_encoder, tokenizer, latents: torch.Tensor, specs
         if checkpoint is not None and due:
             checkpoint(ema, step)
             last_checkpoint = time.time()
-    losses.extend(torch.stack(pending).tolist() if pending else [])
+    read_losses()
     info = {"dit_steps_run": step, "dit_loss": float(np.mean(losses[-200:])), "dit_seconds": time.time() - t0,
             "compiled": bool(compiled)}
     return info, ema
