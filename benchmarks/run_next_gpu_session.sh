@@ -233,7 +233,7 @@ stage1() {  # correctness of the kernels that are defaults (bare install: triton
         bash scripts/train_tiny_shapes_device.sh > "$W/train_shapes.txt" 2>&1 ) &
     train_pid=$!
   fi
-  ( OUT=$W/fi BENCH=0 TEST_LIMIT=$(lim 440) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 460)" \
+  ( OUT=$W/fi SGLX_XQA_DUMP=$W/xqa_dump BENCH=0 TEST_LIMIT=$(lim 440) GROUPS_K="$S1_FI_GROUPS" timeout "$(lim 460)" \
       bash benchmarks/run_flashinfer_device.sh > "$W/fi.txt" 2>&1 ) &
   groups="$!"
   if [ "${S1_MLA:-0}" = 1 ]; then  # 34 passed on the H100 in session 6: only when the MLA kernels change again

@@ -304,6 +304,47 @@ def denoised_latents(ema, scheduler, tokenizer, z0: torch.Tensor, prompts: list[
     return out
 
 
+class BackendDenoisers:
+    """The frozen DiT as sglx's pipeline runs it, once per attention backend (registry defaults).
+
+    Why: a sparse backend (VMoBA's last steps, SVG2 after its warm-up) hands the decoder latents that differ
+    from dense attention's in fine structure; a decoder fine-tuned on dense latents alone rounds the corners
+    sparse attention leaves soft. Each clip is denoised through one backend, in turn."""
+
+    def __init__(self, folder: Path, names: list[str], device: torch.device) -> None:
+        from sglx.diffusion.engine import DiffusionEngine
+        from sglx.llm.engine_config import EngineConfig
+
+        self.engines = [DiffusionEngine(EngineConfig(model_path=str(folder), device=str(device), dtype="float32",
+                                                     attention_backend=name)) for name in names]
+        self.names = names
+        self.used = dict.fromkeys(names, 0)
+
+    @torch.no_grad()
+    def denoise(self, which: int, z0: torch.Tensor, prompt: str, start: int, guidance: float,
+                steps: int) -> torch.Tensor:
+        """z0 [1, C, F, H, W] noised to the sampler's sigma at step `start`, denoised from there by the
+        pipeline's own transformer, metadata and batched CFG, with backend `which`."""
+        from sglx.attention.diffusion.metadata import dit_step
+
+        pipe = self.engines[which].pipeline
+        self.used[self.names[which]] += 1
+        sched = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
+        sched.set_timesteps(steps, device=z0.device)
+        sigmas, timesteps = sched.sigmas.to(z0.device), sched.timesteps
+        max_len = pipe.defaults.max_sequence_length
+        ctx = torch.cat([pipe.encode_text([prompt], max_len), pipe.encode_text([""], max_len)])
+        meta = pipe.metadata(z0, 2, True, steps)
+        lat = (1 - sigmas[start]) * z0 + sigmas[start] * torch.randn_like(z0)
+        for k in range(start, steps):
+            with dit_step(meta.at_step(k, float(timesteps[k]))):
+                pred = pipe.transformer(hidden_states=torch.cat([lat, lat]), timestep=timesteps[k].expand(2),
+                                        encoder_hidden_states=ctx, return_dict=False)[0]
+            pc, pu = pred.chunk(2)
+            lat = lat + (sigmas[k + 1] - sigmas[k]) * (pu + guidance * (pc - pu))
+        return lat
+
+
 def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.device, log) -> dict:  # noqa: ANN001
     """Train only the decoder to draw the rendered clip from the latent the DiT makes of it.
 
@@ -324,8 +365,10 @@ def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.
     for q in params:
         q.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.dod_lr, weight_decay=0.0)
+    names = [n for n in args.dod_backends.split(",") if n]
+    denoisers = BackendDenoisers(Path(args.resume), names, device) if names else None
     vae.decoder.train()
-    t0, step, losses = time.time(), 0, []
+    t0, step, losses, clip = time.time(), 0, [], 0
     last_checkpoint = t0
     for step in range(1, args.dod_steps + 1):
         lr = args.dod_lr * schedule(step, 20, max(step / args.dod_steps, (time.time() - t0) / args.dod_seconds))
@@ -337,7 +380,16 @@ def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.
                  for _ in specs]
         with torch.no_grad():
             z0 = (vae._encode(x)[:, :Z_DIM] - mean) / std
-            z = denoised_latents(ema, scheduler, tokenizer, z0, [sp.prompt for sp in specs], start, guidance, steps)
+            if denoisers is None:
+                z = denoised_latents(ema, scheduler, tokenizer, z0, [sp.prompt for sp in specs], start, guidance,
+                                     steps)
+            else:
+                z = z0.clone()
+                for i, sp in enumerate(specs):
+                    if start[i] < steps:
+                        z[i:i + 1] = denoisers.denoise(clip % len(names), z0[i:i + 1], sp.prompt, start[i],
+                                                       guidance, steps)
+                        clip += 1
         rec = decode_unclamped(vae, z * std + mean).float()
         loss = reconstruction_loss(rec, x, args.lit_weight)
         optimizer_step(opt, params, loss)
@@ -358,6 +410,8 @@ def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.
     vae.eval().requires_grad_(False)
     info = {"dod_steps_run": step, "dod_rec_loss": float(np.mean(losses[-args.log_every:])),
             "dod_seconds": time.time() - t0}
+    if denoisers is not None:
+        info["dod_clips_per_backend"] = denoisers.used
     info["vae_recon_attributes_right_after_dod"] = vae_recon_check(vae, args, device)
     log(f"decoder-on-dit: {info['vae_recon_attributes_right_after_dod']:.3f} of attributes right after "
         "reconstruction")
@@ -675,6 +729,9 @@ def main() -> None:
     p.add_argument("--dod-batch", type=int, default=4)
     p.add_argument("--dod-lr", type=float, default=2e-4)
     p.add_argument("--dod-max-sigma", type=float, default=0.5, help="noise clips to at most this sigma")
+    p.add_argument("--dod-backends", default="", help="comma-separated attention backends: each noised clip is "
+                   "denoised by sglx's pipeline through the next one in turn, at its registry defaults (empty: "
+                   "diffusers' dense transformer)")
     p.add_argument("--dod-clean-share", type=float, default=0.25, help="share of clips decoded from the "
                    "encoder's own latent (plain reconstruction)")
     p.add_argument("--size-range", default="", help="min,max shape extent in pixels for the training clips "
