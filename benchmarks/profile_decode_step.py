@@ -162,9 +162,17 @@ def main() -> None:
         for r in p["top_kernels"]:
             print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['name']}", flush=True)
         # the prefill's own kernels (fused on), to see a slow fused kernel at 512 tokens
-        with profile(activities=[ProfilerActivity.CUDA]) as prof2:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof2:
+            t0 = time.perf_counter()
             run.prefill()
             torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+        trace2 = trace.with_name("trace_prefill.json")
+        prof2.export_chrome_trace(str(trace2))
+        # host-bound when GPU busy is far below wall
+        busy = out["profile_prefill_bs1_busy"] = dict(wall_ms_profiled=wall, **_busy(trace2, 1))
+        print(f"profile prefill bs1: wall {wall:.3f} ms, GPU busy {busy['gpu_busy_ms_per_step']:.3f} ms, "
+              f"{busy['kernels_per_step']:.0f} kernels", flush=True)
         out["profile_prefill_bs1"] = _kernel_table(prof2, 1, 15)
         print("prefill kernels:", flush=True)
         for r in out["profile_prefill_bs1"]:

@@ -295,6 +295,12 @@ stage2() {  # measurements that need no FA4: fp8 KV decode (issue 13 target), ML
   else skip mla_decode_b1 40; fi
   if have 70; then pyt mla_one_batch_test 80 tests/gpu/test_mla_gpu.py -k "$S2_MLA_ONE_BATCH_K"
   else skip mla_one_batch_test 70; fi
+  # session 10: bs1 prefill of 512 tokens took 20.4 ms (stage 2) and 30.3 ms (stage 4) against an 11.6 ms floor:
+  # host-bound. The profile shows GPU-busy time against wall time per step and the bs1 prefill repeated
+  if [ "${S2_PROFILE:-1}" = 1 ] && have 100; then
+    step profile_decode_step 100 python3 benchmarks/profile_decode_step.py --output "$W/profile_decode_step.json"
+    tail -12 "$W/profile_decode_step.txt" | cut -c1-200 | sed 's/^/    /' >> "$W/summary.txt"
+  else skip profile_decode_step 100; fi
   if [ "${S2_FLOOR_TEST:-0}" = 1 ] && have 70; then pyt one_batch_floor_test 100 $S2_ONE_BATCH_TEST; fi  # passed in s6
 }
 
