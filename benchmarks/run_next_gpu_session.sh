@@ -60,7 +60,7 @@ S4_DECODE_B1="--phase decode --batch-size 1 --context-len 4096 --context-len 327
  --kv-cache-dtype auto"
 S4_DECODE_B64="--phase decode --context-len 4096 --page-size 64 --page-size 128 --kv-cache-dtype auto
  --kv-cache-dtype fp8_e4m3"
-S5_DIFFUSION_TESTS="tests/gpu/test_diffusion_backends_gpu.py tests/gpu/test_dit_fused_gpu.py"
+S5_DIFFUSION_TESTS="tests/gpu/test_diffusion_backends_gpu.py tests/gpu/test_dit_fused_gpu.py tests/gpu/test_tiny_shapes_gpu.py"
 S5_SPARSE="sliding_tile_attn,video_sparse_attn,vmoba_attn,sparse_video_gen_2_attn"  # + torch_sdpa, and fa where FA4 runs
 STA_FILE=$ROOT/sta_uniform_3x3x3.json   # STA needs a mask strategy: uniform 3x3x3 windows (sta_strategy's CLI)
 S5_CONFIGS="--attention-backend-config video_sparse_attn:sparsity=0.875
@@ -402,7 +402,7 @@ stage5() {  # diffusion: fa's refactored dense path and LSE, sparse backends aft
   if ! has_fa4; then note "FA4 NOT USABLE: dense FA4 rows and fa cases will be missing or skipped"; fi
   export PYTHONPATH=src:tests:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
   # shellcheck disable=SC2086
-  pyt diffusion_tests 60 $S5_DIFFUSION_TESTS
+  pyt diffusion_tests 150 $S5_DIFFUSION_TESTS
   step probe_fa_lse 40 python3 -c "$PROBE_FA_LSE"; tail -1 "$W/probe_fa_lse.txt" | sed 's/^/    /' >> "$W/summary.txt"
   # T_VIDEO=1 skips bench_sparse_video's STA step-order re-measure (STA's path is unchanged since session 4)
   step sparse_phase2 300 env OUT="$W/sparse" PHASE=2 T_BACKENDS=100 CASES=none T_VIDEO=1 T_STEP=90 T_DOCTOR=40 \

@@ -152,8 +152,8 @@ def test_vae_scale_factors_are_its_real_compression(engine) -> None:
 
 
 # The issue's criterion, exactly: all 48 moving prompts at the model's defaults (seed 0, CPU float32, one thread).
-# Shipped weights (session 9): colour 48/48, direction 48/48, shape 44/48 (four squares judged circles) = 97.2%;
-# run 5's weights gave 86.8% (squares 0/16). About 1 s a clip.
+# Shipped weights (session 10): colour 48/48, direction 48/48, shape 44/48 (four squares judged circles) = 97.2%;
+# run 5's weights gave 86.8% (squares 0/16). About 1 s a clip. The sparse backends: test_tiny_shapes_sparse_defaults.py.
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,9 @@
-"""tiny-shapes on the GPU through every usable dense diffusion backend, judged by the pixel checker."""
+"""tiny-shapes on the GPU through every usable diffusion backend at its defaults, judged by the pixel checker.
+
+The diffusion issue's criterion: at least 95% of the 144 attributes of the 48 moving prompts right, with every
+dense backend and every sparse backend at its default config, here at the GPU's default dtype (bf16). On the CPU
+(float32) the session 10 weights give 140 dense, 137 VMoBA, 139 SVG2 (tests/test_tiny_shapes*.py).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-@pytest.mark.parametrize("name", ["torch_sdpa", "fa", "sage_attn"])
+@pytest.mark.parametrize("name", ["torch_sdpa", "fa", "sage_attn", "vmoba_attn", "sparse_video_gen_2_attn"])
 def test_every_prompt_through_backend(name: str) -> None:
     from sglx.diffusion.engine import DiffusionEngine
     from sglx.diffusion.request import DiffusionRequest
@@ -33,7 +38,5 @@ def test_every_prompt_through_backend(name: str) -> None:
             res = engine.generate(DiffusionRequest(prompt=s.prompt))
             for attr, ok in task.score(s, task.judge(res.frames), 17).items():
                 right[attr].append(ok)
-    # The shipped model draws colour and direction (CPU float32: 48/48 and 48/48) but not yet shape (21/48);
-    # see the model README. Colour and direction must survive every backend and bf16.
-    kept = right["colour"] + right["direction"]
-    assert sum(kept) >= 0.9 * len(kept), {k: sum(v) for k, v in right.items()}
+    flat = [ok for oks in right.values() for ok in oks]
+    assert len(flat) == 144 and sum(flat) >= 0.95 * len(flat), (name, {k: sum(v) for k, v in right.items()})
