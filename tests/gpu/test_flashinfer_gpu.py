@@ -26,7 +26,9 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # fp8 page-64 case below; a bound of 0.1 failed there), and tests/test_xqa_fp8_reference.py rebuilds both rows on
 # the CPU and gets both errors to 1e-9 from a model of XQA's arithmetic (tests/xqa_fp8_reference.py). No float64
 # bound passes every short row and still catches a wrong page or scale, so XQA-fp8 decode rows are compared with
-# that model: within one bf16 rounding of the output (rtol 2^-7) plus 2e-3 for fp32 summation order.
+# that model: within one bf16 rounding of the output (rtol 2^-7) plus 2e-3 for fp32 summation order, or twice the
+# model's movement under fp8 accumulation noise where that is larger, and no overall scale error (session 10:
+# tests/xqa_fp8_reference.py, tests/test_xqa_fp8_reference.py on a row the H100 computed).
 XQA_MODEL_ATOL, XQA_MODEL_RTOL = 2e-3, 2.0 ** -7
 SM_COUNT = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10, 12)
@@ -47,20 +49,19 @@ def _batch(cache, mode, lo, hi, new):  # noqa: ANN001, ANN202
 
 def _check_xqa_fp8_row(out, q, k8, v8, bmm1_scale, v_scale, subs, where):  # noqa: ANN001, ANN202
     """One trtllm_mha decode row over fp8 KV (out, q: [Hq, D]; k8/v8: the e4m3 values the pages should hold)
-    against the model of XQA's fp8 arithmetic: float64 cannot judge it (see XQA_MODEL_ATOL)."""
-    from xqa_fp8_reference import xqa_fp8_decode
+    against the model of XQA's fp8 arithmetic: float64 cannot judge it (see XQA_MODEL_ATOL). The bound grows with
+    the row's sensitivity to fp8 accumulation error, and the slope check catches a wrong scale (xqa_fp8_check)."""
+    from xqa_fp8_reference import xqa_fp8_check
 
-    model = xqa_fp8_decode(q, k8, v8, bmm1_scale, v_scale, subs)
-    excess = ((out.double() - model).abs() - XQA_MODEL_RTOL * model.abs()).max().item()
-    if excess > XQA_MODEL_ATOL and os.environ.get("SGLX_XQA_DUMP"):  # the row, for a term-by-term look on the CPU
+    got = xqa_fp8_check(out, q, k8, v8, bmm1_scale, v_scale, subs, XQA_MODEL_ATOL, XQA_MODEL_RTOL)
+    if not got["ok"] and os.environ.get("SGLX_XQA_DUMP"):  # the row, for a term-by-term look on the CPU
         folder = Path(os.environ["SGLX_XQA_DUMP"])
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"out": out.cpu(), "q": q.cpu(), "k8": k8.to(torch.float8_e4m3fn).cpu(),
                     "v8": v8.to(torch.float8_e4m3fn).cpu(), "bmm1_scale": bmm1_scale, "v_scale": v_scale,
-                    "subs": subs, "where": where, "excess": excess},
+                    "subs": subs, "where": where, **got},
                    folder / f"xqa_row_{'_'.join(str(w) for w in where)}_{len(list(folder.iterdir()))}.pt")
-    one = ((out.double() - xqa_fp8_decode(q, k8, v8, bmm1_scale, v_scale, 1)).abs()).max().item()
-    assert excess <= XQA_MODEL_ATOL, (*where, "XQA fp8 model", excess, "subs", subs, "error vs 1-CTA model", one)
+    assert got["ok"], (*where, "XQA fp8 model", "subs", subs, got)
 
 
 CASES = [
