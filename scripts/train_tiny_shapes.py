@@ -41,6 +41,7 @@ and train_info.json (arguments, steps run, losses, timings), which is not shippe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -293,15 +294,24 @@ def denoised_latents(ema, scheduler, tokenizer, z0: torch.Tensor, prompts: list[
     for i in range(len(prompts)):
         if start[i] >= steps:  # no noise: the encoder's own latent
             continue
-        lat = (1 - sigmas[start[i]]) * z0[i:i + 1] + sigmas[start[i]] * torch.randn_like(z0[i:i + 1])
         ctx = torch.cat([cond[i:i + 1], uncond[i:i + 1]])
-        for k in range(start[i], steps):
-            pred = ema["transformer"](hidden_states=torch.cat([lat, lat]), timestep=timesteps[k].expand(2),
-                                      encoder_hidden_states=ctx, return_dict=False)[0]
-            pc, pu = pred.chunk(2)
-            lat = lat + (sigmas[k + 1] - sigmas[k]) * (pu + guidance * (pc - pu))
-        out[i:i + 1] = lat
+        out[i:i + 1] = euler_cfg_from(ema["transformer"], z0[i:i + 1], ctx, sigmas, timesteps, start[i], guidance)
     return out
+
+
+def euler_cfg_from(transformer, z0: torch.Tensor, ctx: torch.Tensor, sigmas: torch.Tensor,  # noqa: ANN001
+                   timesteps: torch.Tensor, start: int, guidance: float,
+                   step_context=lambda k: contextlib.nullcontext()) -> torch.Tensor:  # noqa: ANN001
+    """z0 [1, ...] noised to sigmas[start], then the sampler's Euler steps from `start` on, batched CFG (ctx holds
+    the conditional and the unconditional row); `step_context(k)` wraps step k's forward (sglx's step metadata)."""
+    lat = (1 - sigmas[start]) * z0 + sigmas[start] * torch.randn_like(z0)
+    for k in range(start, len(timesteps)):
+        with step_context(k):
+            pred = transformer(hidden_states=torch.cat([lat, lat]), timestep=timesteps[k].expand(2),
+                               encoder_hidden_states=ctx, return_dict=False)[0]
+        pc, pu = pred.chunk(2)
+        lat = lat + (sigmas[k + 1] - sigmas[k]) * (pu + guidance * (pc - pu))
+    return lat
 
 
 class BackendDenoisers:
@@ -335,14 +345,8 @@ class BackendDenoisers:
         max_len = pipe.defaults.max_sequence_length
         ctx = torch.cat([pipe.encode_text([prompt], max_len), pipe.encode_text([""], max_len)])
         meta = pipe.metadata(z0, 2, True, steps)
-        lat = (1 - sigmas[start]) * z0 + sigmas[start] * torch.randn_like(z0)
-        for k in range(start, steps):
-            with dit_step(meta.at_step(k, float(timesteps[k]))):
-                pred = pipe.transformer(hidden_states=torch.cat([lat, lat]), timestep=timesteps[k].expand(2),
-                                        encoder_hidden_states=ctx, return_dict=False)[0]
-            pc, pu = pred.chunk(2)
-            lat = lat + (sigmas[k + 1] - sigmas[k]) * (pu + guidance * (pc - pu))
-        return lat
+        return euler_cfg_from(pipe.transformer, z0, ctx, sigmas, timesteps, start, guidance,
+                              lambda k: dit_step(meta.at_step(k, float(timesteps[k]))))
 
 
 def finetune_decoder_on_dit(vae, ema, scheduler, tokenizer, args, device: torch.device, log) -> dict:  # noqa: ANN001

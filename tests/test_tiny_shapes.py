@@ -160,13 +160,12 @@ def test_vae_scale_factors_are_its_real_compression(engine) -> None:
 def all_judged(engine, single_torch_thread) -> dict[str, list[bool]]:
     from sglx.diffusion.request import DiffusionRequest
 
-    out: dict[str, list[bool]] = {"colour": [], "shape": [], "direction": []}
-    for spec in task.motion_specs():
-        res = engine.generate(DiffusionRequest(prompt=spec.prompt))
-        assert res.frames.shape == (17, 64, 64, 3)
-        for attr, ok in task.score(spec, task.judge(res.frames), 17).items():
-            out[attr].append(ok)
-    return out
+    def draw(prompt: str):  # noqa: ANN202
+        frames = engine.generate(DiffusionRequest(prompt=prompt)).frames
+        assert frames.shape == (17, 64, 64, 3)
+        return frames
+
+    return task.judge_moving_prompts(draw)
 
 
 def test_model_draws_the_colour_and_direction_asked(all_judged) -> None:

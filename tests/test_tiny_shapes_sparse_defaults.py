@@ -7,8 +7,8 @@ vmoba_attn runs sparse in its last 4 of 16 steps (density about 0.46) and sparse
 3 warm-up steps (about 0.73); video_sparse_attn (sparsity 0) and sliding_tile_attn (FastVideo's 6x8x8 tile covers
 the grid) stay dense here, and the test checks that too, so a change of defaults shows up. sliding_tile_attn has
 no default mask strategy (its file is required): it gets a uniform one of 1x1x1 tiles (the grid is one tile),
-every other key at its default. tests/
-test_tiny_shapes_sparse.py runs each backend really sparse on one prompt. About 1 s a clip (SVG2: 4 s, its k-means).
+every other key at its default. tests/test_tiny_shapes_sparse.py runs each backend really sparse on one
+prompt. About 1 s a clip (SVG2: 4 s, its k-means).
 """
 
 from __future__ import annotations
@@ -48,12 +48,8 @@ def test_sparse_backend_at_its_defaults_meets_the_95_percent_target(backend: str
     try:
         assert engine.attention.name == backend
         recorder = DensityRecorder(engine.pipeline.backend)
-        right: dict[str, list[bool]] = {"colour": [], "shape": [], "direction": []}
         with recorder.recording():
-            for spec in task.motion_specs():
-                frames = engine.generate(DiffusionRequest(prompt=spec.prompt)).frames
-                for attr, ok in task.score(spec, task.judge(frames), 17).items():
-                    right[attr].append(ok)
+            right = task.judge_moving_prompts(lambda prompt: engine.generate(DiffusionRequest(prompt=prompt)).frames)
         density = recorder.summary()
     finally:
         engine.close()

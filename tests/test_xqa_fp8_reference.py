@@ -38,26 +38,35 @@ def test_philox_matches_random123_known_answers() -> None:
         assert tuple(int(x) for x in philox4x32_10(*ctr, *key)) == want
 
 
-def test_xqa_model_reproduces_the_errors_the_h100_recorded() -> None:
-    dtype, page, hq, hkv, dim, bs, scales = torch.bfloat16, 64, 32, 8, 128, 6, (1.6, 0.7)
-    rng = random.Random(page * 7 + dim)  # the GPU test's steps, in its order of rng calls
-    new = [[rng.randint(1, 700) for _ in range(bs)], [1] * bs, [rng.choice([1, 37, 300, 555]) for _ in range(bs)],
-           [1] * bs, [1, 1, 129, 1, 64, 1], [1] * bs]
-    total = [sum(n[i] for n in new) for i in range(bs)]
-    cache = make_paged_cache(total, page, hkv, dim, dtype, kv_cache_dtype="fp8_e4m3", scales=scales,
-                             fill=[0] * bs, seed=page + dim)
+DTYPE, PAGE, HQ, HKV, DIM, BS, SCALES = torch.bfloat16, 64, 32, 8, 128, 6, (1.6, 0.7)  # the GPU test's fp8 case
+
+
+def _first_decode_step() -> tuple[list[int], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The GPU test's fp8 page-64 case at its first decode step (step 1), rebuilt on the CPU: every sequence's
+    length, the decode queries [BS, HQ, DIM], and each sequence's e4m3 keys and values (as floats, before scales)."""
+    rng = random.Random(PAGE * 7 + DIM)  # the GPU test's steps, in its order of rng calls
+    new = [[rng.randint(1, 700) for _ in range(BS)], [1] * BS, [rng.choice([1, 37, 300, 555]) for _ in range(BS)],
+           [1] * BS, [1, 1, 129, 1, 64, 1], [1] * BS]
+    total = [sum(n[i] for n in new) for i in range(BS)]
+    cache = make_paged_cache(total, PAGE, HKV, DIM, DTYPE, kv_cache_dtype="fp8_e4m3", scales=SCALES,
+                             fill=[0] * BS, seed=PAGE + DIM)
     gen = CudaRandn(1, sm_count=H100_SMS)
-    gen.skip(sum(new[0]) * hq * dim)  # step 0's queries
-    q = gen.randn(bs, hq, dim).to(dtype)  # step 1: one decode query per sequence
+    gen.skip(sum(new[0]) * HQ * DIM)  # step 0's queries
+    q = gen.randn(BS, HQ, DIM).to(DTYPE)  # step 1: one decode query per sequence
     lens = [n + 1 for n in new[0]]
-    subs = xqa_sub_seqs(H100_SMS, bs, hkv, -(-max(lens) // page) * page)
+    k8 = [(cache.raw_keys[i][:n].float() / SCALES[0]).to(torch.float8_e4m3fn).float() for i, n in enumerate(lens)]
+    v8 = [(cache.raw_values[i][:n].float() / SCALES[1]).to(torch.float8_e4m3fn).float() for i, n in enumerate(lens)]
+    return lens, q, k8, v8
+
+
+def test_xqa_model_reproduces_the_errors_the_h100_recorded() -> None:
+    lens, q, k8s, v8s = _first_decode_step()
+    subs = xqa_sub_seqs(H100_SMS, BS, HKV, -(-max(lens) // PAGE) * PAGE)
     errors = []
-    for i, n in enumerate(lens):
-        k8 = (cache.raw_keys[i][:n].float() / scales[0]).to(torch.float8_e4m3fn).float()
-        v8 = (cache.raw_values[i][:n].float() / scales[1]).to(torch.float8_e4m3fn).float()
-        ref = reference_attention(q[i:i + 1], (k8 * scales[0]).to(dtype), (v8 * scales[1]).to(dtype),
-                                  torch.tensor([n - 1]), dim ** -0.5)[0]
-        xqa = xqa_fp8_decode(q[i], k8, v8, dim ** -0.5 * scales[0], scales[1], subs).to(dtype).double()
+    for i, (n, k8, v8) in enumerate(zip(lens, k8s, v8s, strict=True)):
+        ref = reference_attention(q[i:i + 1], (k8 * SCALES[0]).to(DTYPE), (v8 * SCALES[1]).to(DTYPE),
+                                  torch.tensor([n - 1]), DIM ** -0.5)[0]
+        xqa = xqa_fp8_decode(q[i], k8, v8, DIM ** -0.5 * SCALES[0], SCALES[1], subs).to(DTYPE).double()
         errors.append((xqa - ref).abs().max().item())
     assert lens[2:4] == [202, 4]
     assert max(errors[:2]) <= 0.03 < errors[2]  # run 1 stopped at sequence 2
@@ -66,32 +75,15 @@ def test_xqa_model_reproduces_the_errors_the_h100_recorded() -> None:
     assert errors[3] == pytest.approx(0.14375182833167477, abs=1e-9)
 
 
-def _row0_of_first_decode_step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k8, v8 (e4m3 values as floats) of sequence 0 at the fp8 page-64 case's first decode step: 603 keys."""
-    dtype, page, hq, hkv, dim, bs, scales = torch.bfloat16, 64, 32, 8, 128, 6, (1.6, 0.7)
-    rng = random.Random(page * 7 + dim)
-    new = [[rng.randint(1, 700) for _ in range(bs)], [1] * bs, [rng.choice([1, 37, 300, 555]) for _ in range(bs)],
-           [1] * bs, [1, 1, 129, 1, 64, 1], [1] * bs]
-    total = [sum(n[i] for n in new) for i in range(bs)]
-    cache = make_paged_cache(total, page, hkv, dim, dtype, kv_cache_dtype="fp8_e4m3", scales=scales,
-                             fill=[0] * bs, seed=page + dim)
-    gen = CudaRandn(1, sm_count=H100_SMS)
-    gen.skip(sum(new[0]) * hq * dim)
-    q = gen.randn(bs, hq, dim).to(dtype)[0]
-    n = new[0][0] + 1
-    k8 = (cache.raw_keys[0][:n].float() / scales[0]).to(torch.float8_e4m3fn).float()
-    v8 = (cache.raw_values[0][:n].float() / scales[1]).to(torch.float8_e4m3fn).float()
-    return q, k8, v8
-
-
 def test_h100_row_fits_the_model_within_fp8_accumulation_noise_and_wrong_calls_do_not() -> None:
     """Session 10's H100 output of that row (tests/data, dumped by the GPU test) against the model.
 
     The plain bound (2e-3 over one bf16 rounding) fails it by 0.0038; the noise-aware check passes it, and fails
     the same output shifted by what a wrong call would change (scale, length, page), each at a realistic size."""
-    q, k8, v8 = _row0_of_first_decode_step()
+    lens, queries, k8s, v8s = _first_decode_step()
+    q, k8, v8 = queries[0], k8s[0], v8s[0]
     out = torch.load(DATA / "xqa_h100_s10_fp8_page64_step1_row0_out.pt")
-    b1, vs, subs = 128 ** -0.5 * 1.6, 0.7, xqa_sub_seqs(H100_SMS, 6, 8, 640)
+    b1, vs, subs = DIM ** -0.5 * SCALES[0], SCALES[1], xqa_sub_seqs(H100_SMS, BS, HKV, -(-max(lens) // PAGE) * PAGE)
     assert (k8.shape[0], subs) == (603, 2)
     got = xqa_fp8_check(out, q, k8, v8, b1, vs, subs)
     assert got["ok"] and got["excess"] > MODEL_ATOL, got  # the old bound alone would fail it

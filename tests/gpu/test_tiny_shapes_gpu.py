@@ -31,12 +31,8 @@ def test_every_prompt_through_backend(name: str) -> None:
     avail = availability(spec, platform.current())
     if not avail.ok:
         pytest.skip(f"{name}: {'; '.join(avail.reasons)}")
-    right: dict[str, list[bool]] = {"colour": [], "shape": [], "direction": []}
     with DiffusionEngine(EngineConfig(model_path=TINY_SHAPES, device="cuda", attention_backend=name)) as engine:
         assert engine.attention.name == name
-        for s in task.motion_specs():
-            res = engine.generate(DiffusionRequest(prompt=s.prompt))
-            for attr, ok in task.score(s, task.judge(res.frames), 17).items():
-                right[attr].append(ok)
+        right = task.judge_moving_prompts(lambda prompt: engine.generate(DiffusionRequest(prompt=prompt)).frames)
     flat = [ok for oks in right.values() for ok in oks]
     assert len(flat) == 144 and sum(flat) >= 0.95 * len(flat), (name, {k: sum(v) for k, v in right.items()})

@@ -9,6 +9,7 @@ training script, the tests and the checker need no torch from this module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,3 +239,13 @@ def score(spec: ShapeSpec, judgement: Judgement, num_frames: int) -> dict[str, b
     if num_frames > 1:
         out["direction"] = judgement.direction == (spec.direction or "still")
     return out
+
+
+def judge_moving_prompts(draw: Callable[[str], np.ndarray]) -> dict[str, list[bool]]:
+    """Each attribute judged right or not for the 48 moving prompts, in `motion_specs` order, on the clips that
+    `draw(prompt)` makes (the diffusion issue's 144-attribute criterion, shared by the tests)."""
+    right: dict[str, list[bool]] = {"colour": [], "shape": [], "direction": []}
+    for spec in motion_specs():
+        for attr, ok in score(spec, judge(draw(spec.prompt)), NUM_FRAMES).items():
+            right[attr].append(ok)
+    return right
