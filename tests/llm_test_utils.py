@@ -242,6 +242,13 @@ class PagedKVHarness:
         return slots
 
     def _run(self, mode: Any, rows: list[int], ids: list[list[int]], return_all_logits: bool) -> torch.Tensor:
+        batch = self.build_batch(mode, rows, ids, return_all_logits)
+        self.backend.init_forward_metadata(batch)
+        with torch.no_grad():
+            return self.model(batch)
+
+    def build_batch(self, mode: Any, rows: list[int], ids: list[list[int]], return_all_logits: bool = False) -> Any:
+        """The step's ForwardBatch with its KV slots allocated (not run): for runners that run it themselves."""
         from sglx.llm.forward_batch import ForwardBatch
 
         prefix = [self.seq_lens[r] for r in rows]
@@ -251,7 +258,7 @@ class PagedKVHarness:
             positions += range(start, start + len(new))
             self.seq_lens[row] = start + len(new)
         dev = self.device
-        batch = ForwardBatch(
+        return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([t for new in ids for t in new], dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -265,9 +272,6 @@ class PagedKVHarness:
             extend_prefix_lens_cpu=prefix if mode.is_extend else [],
             return_all_logits=return_all_logits,
         )
-        self.backend.init_forward_metadata(batch)
-        with torch.no_grad():
-            return self.model(batch)
 
     def extend(self, items: list[tuple[int, list[int]]], return_all_logits: bool = False) -> torch.Tensor:
         """One EXTEND step: (row, new token ids) per request, each on top of what the row already holds."""

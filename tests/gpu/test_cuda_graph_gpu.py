@@ -150,3 +150,76 @@ def test_packed_input_fill_from_host_or_device_pads_and_overwrites_stale_values(
             pad = 1 if name == "seq_lens" else 0
             want = [v + k for v in ids] + [pad] * (bucket - bs)
             assert getattr(buffers, name)[:bucket].tolist() == want, (step, name)
+
+
+def generate_one_by_one(path: Path, **flags) -> tuple[list[dict], dict, int]:
+    """Each prompt alone (single-request prefills), then the first again with a suffix (a radix-cache hit)."""
+    from sglx.llm.engine import Engine
+
+    flags = {"dtype": "float32", "device": "cuda", "max_total_tokens": 4096, "cuda_graph_max_bs": 16, **flags}
+    ps = prompts()
+    ps.append(ps[3] + [11, 12, 13, 14, 15])  # 63 cached tokens + 5 new
+    sampling = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with Engine(model_path=str(path), **flags) as eng:
+        out = [eng.generate(input_ids=[p], sampling_params=[sampling], return_logprob=True)[0] for p in ps]
+        pg = eng.runner.prefill_graph_runner
+        return out, eng.info, pg.replays if pg is not None else 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_graphs_equal_eager_prefill_token_for_token(models, page_size: int) -> None:
+    graphed, info, replays = generate_one_by_one(models["llama"], attention_backend="triton", page_size=page_size)
+    assert info["prefill_cuda_graph"] is True and info["prefill_cuda_graph_max_tokens"] == 1024
+    assert replays == len(LENGTHS) + 1  # every prefill, the cached-prefix one included, replayed a graph
+    eager, info_eager, eager_replays = generate_one_by_one(models["llama"], attention_backend="triton",
+                                                           page_size=page_size, cuda_graph_max_prefill_tokens=0)
+    assert info_eager["prefill_cuda_graph"] is False and eager_replays == 0
+    for g, e in zip(graphed, eager, strict=True):
+        assert g["output_ids"] == e["output_ids"]
+        torch.testing.assert_close(torch.tensor(g["output_logprobs"]), torch.tensor(e["output_logprobs"]),
+                                   atol=1e-4, rtol=0)
+
+
+def test_prefill_graph_writes_only_the_prompt_slots_and_the_padding_page(models) -> None:
+    """A 37-token prefill replays the 64-token graph: its 37 slots and slot 0 change, nothing else."""
+    from sglx.llm.engine_config import EngineConfig
+    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+    from sglx.llm.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model_path=str(models["llama"]), dtype="float32", device="cuda",
+                                      attention_backend="triton", max_total_tokens=512, cuda_graph_max_bs=8,
+                                      cuda_graph_max_prefill_tokens=128))
+    try:
+        pg = runner.prefill_graph_runner
+        assert pg is not None and pg.buckets == [16, 32, 64, 96, 128]
+        pool = runner.token_kv_pool
+        for buf in (*pool.k_buffer, *pool.v_buffer):
+            buf.normal_()
+        n = 37
+        slots = torch.randperm(400, device="cuda")[:n] + 50
+        runner.req_to_token_pool.req_to_token[2, :n] = slots.int()
+        before = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.randint(4, 300, (n,), device="cuda"),
+                             positions=torch.arange(n, device="cuda"),
+                             req_pool_indices=torch.tensor([2], device="cuda"),
+                             seq_lens=torch.tensor([n], device="cuda"), out_cache_loc=slots,
+                             req_to_token_pool=runner.req_to_token_pool, token_kv_pool=pool, seq_lens_cpu=[n],
+                             extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0])
+        graphed = runner.forward(batch).clone()
+        assert pg.replays == 1 and graphed.shape[0] == 1
+        assert torch.equal(runner.last_greedy_ids, graphed.argmax(-1))
+        allowed = {0, *slots.tolist()}
+        after = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
+        for old, new in zip(before, after):
+            changed = set((old != new).any(-1).any(-1).nonzero().flatten().tolist())
+            assert changed <= allowed and set(slots.tolist()) <= changed
+        runner.prefill_graph_runner = None  # the same step eagerly
+        for old, buf in zip(before, (*pool.k_buffer, *pool.v_buffer)):
+            buf.copy_(old)
+        eager = runner.forward(batch)
+        runner.prefill_graph_runner = pg
+        torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=0)
+        for new, buf in zip(after, (*pool.k_buffer, *pool.v_buffer)):
+            torch.testing.assert_close(new[1:], buf[1:], atol=1e-5, rtol=0)
+    finally:
+        runner.release_memory()

@@ -326,6 +326,8 @@ def report_table(report: dict[str, Any]) -> Any:
     env = report["environment"]
     graphs = (f"CUDA graphs bs <= {report['cuda_graph_max_bs']}" if report["cuda_graph"]
               else f"CUDA graphs off ({report['cuda_graph_why']})")
+    if report.get("prefill_cuda_graph"):  # single-request prefills (batch 1) replay a graph too
+        graphs += f", 1-request prefill <= {report['prefill_cuda_graph_max_tokens']} tokens"
     table = Table(title=f"sglx bench one-batch: {report['model_path']} ({report['dtype']}, {report['load_format']}) "
                         f"on {env.get('device_name')} | attention {report['attention_backend']} | {graphs} | "
                         f"copy bandwidth {report['copy_bandwidth_gb_per_s']:.0f} GB/s", title_justify="left")

@@ -139,8 +139,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; "
                "default 160, at most --max-running-requests). Larger batches run eagerly."),
     EngineFlag("disable_cuda_graph", "--disable-cuda-graph", bool, False,
-               "Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a "
-               "decode backend that supports them, e.g. triton)."),
+               "Run decode steps (and short prefills) eagerly instead of replaying CUDA graphs (graphs need a "
+               "CUDA GPU and a backend that supports them, e.g. triton)."),
+    EngineFlag("cuda_graph_max_prefill_tokens", "--cuda-graph-max-prefill-tokens", int | None, None,
+               "Longest single-request prefill replayed from a captured CUDA graph (token buckets 16, 32, 64, "
+               "96, ...; default 1024; 0 turns prefill graphs off). Short prompts are launch-bound: graphs "
+               "cut their time to first token. Needs a prefill backend with graph support (triton)."),
     EngineFlag("disable_overlap_schedule", "--disable-overlap-schedule", bool, False,
                "Schedule each step only after reading the previous step's sampled tokens (by default the host "
                "schedules and launches step n+1 while the device runs step n; outputs are the same)."),

@@ -93,6 +93,15 @@ def cuda_graph_plan(device: torch.device, backend_name: str, backend_supports: b
     return CudaGraphPlan(True, limit, sizes, f"decode batches of up to {limit} requests replay captured graphs")
 
 
+def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor | None:
+    """Greedy tokens computed inside a graph (a few us), so greedy steps need no launch after it."""
+    if not use_fused(logits):
+        return None
+    from sglx.llm.kernels.argmax import greedy_argmax
+
+    return greedy_argmax(logits)
+
+
 class BatchSources(Protocol):
     """What a captured batch points at besides its inputs: the pools and the attention backend."""
 
@@ -222,27 +231,18 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
                     backend.init_forward_metadata_in_graph(bucket)
-                    self._greedy_of(self.target.model(batch))
+                    greedy_in_graph(self.target.model(batch))
             torch.cuda.current_stream(self.target.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
                 out = self.target.model(batch)
-                greedy = self._greedy_of(out)
+                greedy = greedy_in_graph(out)
             self.graphs[bucket] = graph
             self.outputs[bucket] = out
             if greedy is not None:
                 self.greedy[bucket] = greedy
         torch.cuda.synchronize(self.target.device)
-
-    @staticmethod
-    def _greedy_of(logits: torch.Tensor) -> torch.Tensor | None:
-        """Greedy tokens computed inside the graph (a few us), so greedy steps need no launch after it."""
-        if not use_fused(logits):
-            return None
-        from sglx.llm.kernels.argmax import greedy_argmax
-
-        return greedy_argmax(logits)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] of a decode batch; a view of the graph's output, valid until the next replay."""

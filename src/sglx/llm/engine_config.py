@@ -53,7 +53,8 @@ class EngineConfig:
     context_length: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0  # seeds dummy weights and the sampling of requests without their own seed
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a CUDA graph (None: 160)
-    disable_cuda_graph: bool = False  # run every decode step eagerly
+    disable_cuda_graph: bool = False  # run every decode step (and short prefill) eagerly
+    cuda_graph_max_prefill_tokens: int | None = None  # longest single-request prefill from a graph (None: 1024)
     disable_overlap_schedule: bool = False  # read each step's tokens before scheduling the next (sglx.llm.overlap)
     stream_interval: int = 1  # streamed requests get a chunk every this many tokens (SGLang's --stream-interval)
     sp_size: int | None = None  # diffusion: sequence-parallel ranks = ulysses x ring (sglx.diffusion.parallel)
@@ -86,6 +87,7 @@ class EngineConfig:
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1),
                                  ("--context-length", self.context_length, 2),
                                  ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 1),
+                                 ("--cuda-graph-max-prefill-tokens", self.cuda_graph_max_prefill_tokens, 0),
                                  ("--sp-size", self.sp_size, 1),
                                  ("--ulysses-degree", self.ulysses_degree, 1),
                                  ("--ring-degree", self.ring_degree, 1),

@@ -51,6 +51,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     return_all_logits: bool = False  # logits for every token (parity tests) instead of each request's last
+    # a prefill graph's static index of the one real request's last token (its padding request gets no logits)
+    last_token_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.seq_lens_cpu:
@@ -70,6 +72,8 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         """Index (into this step's tokens) of each request's last token: where its next-token logits come from."""
+        if self.last_token_index is not None:
+            return self.last_token_index
         if self.mode.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         # non_blocking: a blocking host-to-device copy would wait for the device (overlap scheduling)

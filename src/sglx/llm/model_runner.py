@@ -27,6 +27,7 @@ from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig, load_model_config
+from sglx.llm.prefill_graph_runner import PrefillGraphPlan, PrefillGraphRunner, prefill_graph_plan
 from sglx.platform import PlatformSnapshot
 
 if TYPE_CHECKING:
@@ -136,6 +137,11 @@ class ModelRunner:
         if self.cuda_graph.enabled and why_not:  # the model has host syncs (MoE expert loop)
             self.cuda_graph = replace(self.cuda_graph, enabled=False, batch_sizes=(), why=why_not)
         self.graph_runner: CudaGraphRunner | None = None
+        self.prefill_graph: PrefillGraphPlan = prefill_graph_plan(
+            self.cuda_graph.enabled, self.cuda_graph.why, self.selection.label,
+            bool(self.backend.supports_prefill_cuda_graph), config.cuda_graph_max_prefill_tokens,
+            self.memory.context_length, self.tp.size)
+        self.prefill_graph_runner: PrefillGraphRunner | None = None
         # argmax of the latest forward's logits when a CUDA graph computed it (else None): the sampler's
         # greedy rows and bench one-batch read it instead of launching an argmax
         self.last_greedy_ids: torch.Tensor | None = None
@@ -151,10 +157,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _capture_graphs(self) -> None:
-        self.graph_runner = CudaGraphRunner(
-            GraphTarget(device=self.device, model=self.model, backend=self.backend,
-                        req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool),
-            self.cuda_graph)
+        target = GraphTarget(device=self.device, model=self.model, backend=self.backend,
+                             req_to_token_pool=self.req_to_token_pool, token_kv_pool=self.token_kv_pool)
+        self.graph_runner = CudaGraphRunner(target, self.cuda_graph)
+        if self.prefill_graph.enabled:
+            self.prefill_graph_runner = PrefillGraphRunner(target, self.prefill_graph)
 
     def _backend_configs(self) -> dict[str, dict]:
         """--attention-backend-config validated against each chosen backend's declared parameters."""
@@ -291,6 +298,10 @@ class ModelRunner:
             logits = self.graph_runner.replay(batch)
             self.last_greedy_ids = self.graph_runner.last_greedy
             return logits
+        if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(batch):
+            logits = self.prefill_graph_runner.replay(batch)
+            self.last_greedy_ids = self.prefill_graph_runner.last_greedy
+            return logits
         self.backend.init_forward_metadata(batch)
         logits = self.model(batch).float()
         if self.graphs_wait_for_scales and not self.token_kv_pool.calibrating:
@@ -304,7 +315,7 @@ class ModelRunner:
 
         if self.tp_driver is not None:  # rank 0: stop the worker ranks first
             self.tp_driver.shutdown()
-        for name in ("graph_runner", "model", "backend", "token_kv_pool", "req_to_token_pool"):
+        for name in ("graph_runner", "prefill_graph_runner", "model", "backend", "token_kv_pool", "req_to_token_pool"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
@@ -330,6 +341,9 @@ class ModelRunner:
             "cuda_graph": self.cuda_graph.enabled,
             "cuda_graph_max_bs": self.cuda_graph.max_bs if self.cuda_graph.enabled else None,
             "cuda_graph_why": self.cuda_graph.why,
+            "prefill_cuda_graph": self.prefill_graph.enabled,
+            "prefill_cuda_graph_max_tokens": self.prefill_graph.max_tokens if self.prefill_graph.enabled else None,
+            "prefill_cuda_graph_why": self.prefill_graph.why,
             "kv_cache_scales": self.token_kv_pool.describe_scales() if hasattr(self.token_kv_pool, "describe_scales")
             else None,
         }

@@ -52,6 +52,7 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str] = "base"
     supports_cuda_graph: ClassVar[bool] = False
+    supports_prefill_cuda_graph: ClassVar[bool] = False  # single-request prefills from captured graphs
     # True: reads fp8 pools with per-token scales and rotated keys (`TokenKVPool.per_token_scales`, see
     # kv_cache.py). The runner gives such a pool only when every selected backend says True; the others
     # get one static scale per layer (1.0, or the checkpoint's k_scale/v_scale).
@@ -110,6 +111,24 @@ class AttentionBackend(ABC):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
+
+    # Prefill-graph hooks (llm/prefill_graph_runner.py): only backends with supports_prefill_cuda_graph
+    # implement them. The batch is two requests (the real one, then padding) over `bucket` token rows.
+    def init_prefill_graph_state(self, max_tokens: int) -> None:
+        raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
+
+    def init_prefill_metadata_capture(self, bucket: int, qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                      seq_lens: torch.Tensor) -> None:
+        """Set up the static metadata of one bucket from the runner's static inputs (before capture)."""
+        raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
+
+    def init_prefill_metadata_in_graph(self, bucket: int) -> None:
+        """Device work on the static inputs, captured before the model (every replay redoes it)."""
+        raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
+
+    def init_prefill_metadata_replay(self, bucket: int) -> None:
+        """Point the layers at the bucket's metadata before a replay (host only, nothing launched)."""
+        raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
 
     @staticmethod
     def save_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:

@@ -62,9 +62,20 @@ class _GraphState:
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # bs -> the graph's static (req_pool_indices, seq_lens)
 
 
+@dataclass
+class _PrefillGraphState:
+    """Static metadata of the prefill graphs (two requests: the real one, then padding); shared by buckets."""
+
+    kv_indptr: torch.Tensor  # [3] int32
+    kv_indices: torch.Tensor  # [max_context + max_tokens] int32
+    metas: dict[int, _Metadata]  # bucket -> its metadata (views of the buffers above)
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # the runner's static (req_pool_indices, seq_lens)
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    supports_prefill_cuda_graph = True
     kv_scales_per_token = True
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -80,6 +91,7 @@ class TritonBackend(AttentionBackend):
         self.v_head_dim = ctx.token_kv_pool.v_head_dim
         self.meta: _Metadata | None = None
         self.graph: _GraphState | None = None
+        self.prefill_graph: _PrefillGraphState | None = None
         self._semaphores = torch.zeros(0, dtype=torch.int32, device=ctx.device)  # eager decode; grown on demand
 
     def _eager_semaphores(self, bs: int) -> torch.Tensor:
@@ -174,6 +186,35 @@ class TritonBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # a padded request attends to one key: slot 0 of the padding page
+
+    # ------------------------------------------------------------------ CUDA graphs (short prefills)
+    def init_prefill_graph_state(self, max_tokens: int) -> None:
+        max_context = self.ctx.req_to_token_pool.max_context_len
+        device = self.ctx.device
+        self.prefill_graph = _PrefillGraphState(
+            kv_indptr=torch.zeros(3, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(max_context + max_tokens, dtype=torch.int32, device=device), metas={})
+
+    def init_prefill_metadata_capture(self, bucket: int, qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                      seq_lens: torch.Tensor) -> None:
+        g = self.prefill_graph
+        assert g is not None, "init_prefill_graph_state must run first"
+        # max_extend_len = bucket: programs past a request's rows exit at once; prefix 0 picks the tile
+        # shape measured best for mostly-new keys (a radix hit still runs correctly, with the other shape)
+        g.metas[bucket] = _Metadata(g.kv_indptr, g.kv_indices, qo_indptr=qo_indptr, max_extend_len=bucket,
+                                    prefix_tokens=0)
+        g.inputs = (req_pool_indices, seq_lens)
+
+    def init_prefill_metadata_in_graph(self, bucket: int) -> None:
+        g = self.prefill_graph
+        assert g is not None and g.inputs is not None and bucket in g.metas, f"no prefill graph for {bucket} tokens"
+        build_kv_metadata(self.ctx.req_to_token_pool.req_to_token, *g.inputs, g.kv_indptr, g.kv_indices)
+        self.meta = g.metas[bucket]
+
+    def init_prefill_metadata_replay(self, bucket: int) -> None:
+        g = self.prefill_graph
+        assert g is not None and bucket in g.metas, f"no prefill graph for {bucket} tokens"
+        self.meta = g.metas[bucket]
 
     # ------------------------------------------------------------------ attention
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:

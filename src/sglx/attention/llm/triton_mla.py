@@ -40,6 +40,7 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    supports_prefill_cuda_graph = False  # its extend (non-absorbed, K/V expanded per launch) is not graph-safe
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
 

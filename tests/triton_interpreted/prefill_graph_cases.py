@@ -1,0 +1,104 @@
+"""Prefill CUDA graphs' static-buffer step, under TRITON_INTERPRET=1 (no GPU needed).
+
+Launched by tests/test_prefill_graph.py. `PrefillGraphRunner(capture=False)` runs exactly what a graph
+holds (the padded two-request batch, the triton backend's in-graph index build, the model) eagerly.
+On a tiny random Llama, each single-request prefill (bucket padding, an exact-bucket prompt, a cached
+prefix) must give Hugging Face's last-token logits and the eager triton path's, leave every real KV
+slot as the eager path does and write nothing else but slot 0 (the padding page); a decode step after
+it must match too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
+    pytest.skip("run through tests/test_prefill_graph.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+from llm_test_utils import PagedKVHarness, load_hf_model, make_tiny_model  # noqa: E402
+from sglx.attention.llm.base import BackendContext  # noqa: E402
+from sglx.attention.llm.triton import TritonBackend  # noqa: E402
+from sglx.llm.cuda_graph_runner import GraphTarget  # noqa: E402
+from sglx.llm.forward_batch import ForwardMode  # noqa: E402
+from sglx.llm.models import load_model  # noqa: E402
+from sglx.llm.prefill_graph_runner import PrefillGraphPlan, PrefillGraphRunner  # noqa: E402
+
+TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+def _triton_harness(model, page_size: int) -> PagedKVHarness:
+    h = PagedKVHarness(model, page_size=page_size, max_context=128, seed=3)
+    cfg = model.config
+    ctx = BackendContext(device=torch.device("cpu"), dtype=torch.float32, num_q_heads=cfg.num_heads,
+                         num_kv_heads=h.kv_pool.num_kv_heads, head_dim=h.kv_pool.head_dim, page_size=page_size,
+                         req_to_token_pool=h.req_pool, token_kv_pool=h.kv_pool)
+    h.backend = TritonBackend(ctx)
+    return h
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("prefill_graph"), "llama")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    return model, load_hf_model(model_dir)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_static_prefill_step_matches_eager_triton_and_hf(tiny, page_size):
+    model, hf = tiny
+    eager, graphed = _triton_harness(model, page_size), _triton_harness(model, page_size)
+    plan = PrefillGraphPlan(True, 64, (16, 32, 64), "test")
+    runner = PrefillGraphRunner(GraphTarget(torch.device("cpu"), model, graphed.backend, graphed.req_pool,
+                                            graphed.kv_pool), plan, capture=False)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    first = torch.randint(1, vocab, (37,), generator=gen).tolist()  # bucket 64: 27 padding rows
+    exact = torch.randint(1, vocab, (32,), generator=gen).tolist()  # exactly bucket 32: no padding
+    tail = torch.randint(1, vocab, (9,), generator=gen).tolist()  # on a 32-token cached prefix: bucket 16
+    # a kernel that ignored kv_indptr would read slot 0 (padding): make it loud
+    for h in (eager, graphed):
+        for layer in range(model.config.num_layers):
+            h.kv_pool.k_buffer[layer][0].fill_(1e3)
+
+    rows = {}
+    for name, share, ids in (("first", None, first), ("exact", None, exact), ("prefixed", "first", tail)):
+        per = []
+        for h in (eager, graphed):
+            shared = 32 if share else 0
+            rows.setdefault((id(h), name), h.new_request(share_from=rows.get((id(h), share)), shared_len=shared))
+            per.append(rows[(id(h), name)])
+        assert per[0] == per[1]
+        want = eager.extend([(per[0], ids)])
+        batch = graphed.build_batch(ForwardMode.EXTEND, [per[1]], [ids])
+        assert runner.can_run(batch)
+        with torch.no_grad():
+            got = runner.replay(batch)
+        assert got.shape == (1, vocab)
+        torch.testing.assert_close(got, want, **TOL)
+        full = (first[:32] + tail) if share else ids
+        torch.testing.assert_close(got[0], hf(torch.tensor([full])).logits[0, -1].float(), **TOL)
+    assert runner.replays == 3
+
+    # every slot but the padding page's slot 0 holds what the eager path stored
+    for layer in range(model.config.num_layers):
+        for buf in ("k_buffer", "v_buffer"):
+            a, b = getattr(eager.kv_pool, buf)[layer], getattr(graphed.kv_pool, buf)[layer]
+            torch.testing.assert_close(b[1:], a[1:], atol=1e-6, rtol=0)
+    # a decode step on the graph-prefilled cache
+    row = rows[(id(graphed), "first")]
+    torch.testing.assert_close(graphed.decode([(row, 5)]), eager.decode([(row, 5)]), **TOL)
+
+
+def test_batches_a_prefill_graph_cannot_take_run_eagerly(tiny):
+    model, _ = tiny
+    h = _triton_harness(model, 1)
+    runner = PrefillGraphRunner(GraphTarget(torch.device("cpu"), model, h.backend, h.req_pool, h.kv_pool),
+                                PrefillGraphPlan(True, 32, (16, 32), "test"), capture=False)
+    a, b = h.new_request(), h.new_request()
+    assert not runner.can_run(h.build_batch(ForwardMode.EXTEND, [a, b], [[1, 2], [3]]))  # two requests
+    assert not runner.can_run(h.build_batch(ForwardMode.EXTEND, [a], [list(range(1, 34))]))  # 33 > 32 tokens
+    assert not runner.can_run(h.build_batch(ForwardMode.EXTEND, [b], [[4, 5]], return_all_logits=True))
+    assert not runner.can_run(h.build_batch(ForwardMode.DECODE, [b], [[6]]))
