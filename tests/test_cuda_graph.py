@@ -90,6 +90,9 @@ def test_cpu_engine_reports_graphs_off_and_why():
         info = eng.info
         assert info["cuda_graph"] is False and "cpu" in info["cuda_graph_why"]
         assert eng.runner.graph_runner is None
+        # short prefills replay graphs only where decode graphs run (llm/prefill_graph_runner.py)
+        assert info["prefill_cuda_graph"] is False and "cpu" in info["prefill_cuda_graph_why"]
+        assert eng.runner.prefill_graph_runner is None
 
 
 def test_engine_flags_validate_cuda_graph_max_bs():

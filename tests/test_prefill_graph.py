@@ -75,15 +75,6 @@ def test_fill_pads_with_a_request_on_the_padding_row_that_writes_only_slot_0():
         buffers.fill(batch, 2)  # a bucket smaller than the prompt
 
 
-def test_cpu_engine_reports_prefill_graphs_off_and_why():
-    from sglx.llm.engine import Engine
-
-    with Engine(device="cpu", dtype="float32", max_total_tokens=512, attention_backend="torch_native") as eng:
-        info = eng.info
-        assert info["prefill_cuda_graph"] is False and "cpu" in info["prefill_cuda_graph_why"]
-        assert eng.runner.prefill_graph_runner is None
-
-
 def test_engine_flag_validates_cuda_graph_max_prefill_tokens():
     from sglx.errors import SglxError
     from sglx.llm.engine_config import EngineConfig
