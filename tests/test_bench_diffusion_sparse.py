@@ -91,6 +91,21 @@ def test_a_wrong_sparse_result_is_an_untimed_failure(tmp_path: Path, monkeypatch
     assert report["failed"] and "video_sparse_attn" in report["failed"][0]
 
 
+def test_svg2_density_follows_the_logit_spread_and_the_label_says_which(tmp_path: Path) -> None:
+    """Top-p over centroid scores keeps fewer blocks when attention is sharper: why the H100 compare (std 1,
+    density 0.53) and benchmarks/bench_sparse_backends.py (std 5, density 0.084) disagreed in session 11."""
+    density = {}
+    for std in ("1", "5"):
+        code, report, output = _run(tmp_path, "--canvas", "6x16x8", "--no-anchors", "--no-baselines",
+                                    "--attention-backend", "sparse_video_gen_2_attn", "--logit-std", std)
+        assert code == 0, output
+        assert report["sparse"]["label"].endswith(f"logit std {std}")
+        row = next(r for r in report["sparse"]["rows"] if r["kind"] == "sglx")
+        assert row["ok"], row
+        density[std] = row["density"]
+    assert density["5"] < density["1"] - 0.2, density
+
+
 @pytest.mark.parametrize("name", SPARSE)
 def test_rows_mask_equals_doctors_full_mask_in_input_order(name: str) -> None:
     """The bench's per-row mask (from the plan view) against sparse_checks' S x S mask, on a grid with a text
@@ -137,6 +152,7 @@ def test_backend_configs_pair_by_position_or_by_name() -> None:
       "--attention-backend-config", "y=2"], "2 unnamed --attention-backend-config values for 1 backends"),
     (["--canvas", "4x8x8", "--attention-backend-config", "sparsity=0.5"], "name at least one backend"),
     (["--canvas", "4x8x8", "--attention-backend", "torch_sdpa", "--layer", "30"], "--layer 30: choose 0 .. 29"),
+    (["--canvas", "4x8x8", "--attention-backend", "torch_sdpa", "--logit-std", "0"], "--logit-std 0.0: give a"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     code, _, output = _run(tmp_path, *args)

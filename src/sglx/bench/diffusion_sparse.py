@@ -70,6 +70,9 @@ class SparseCompareConfig:
     anchors: bool = True  # FlexAttention and upstream fastvideo-kernel at each sparse backend's mask
     rows: int = SAMPLED_ROWS
     centres: int = 64  # clusters of q and k per head
+    # std of the logits q.k/sqrt(D) of the synthetic inputs: top-p selection (SVG2) keeps more blocks when they
+    # are flat (std 1: density 0.53 on Wan-1.3B's canvas; 5, what benchmarks/bench_sparse_backends.py feeds: 0.084)
+    logit_std: float = 1.0
     warmup_ms: float | None = None
     rep_ms: float | None = None
     seed: int = 0
@@ -81,6 +84,9 @@ class SparseCompareConfig:
             raise SglxError("--heads, --head-dim and the batch must be positive and --text-tokens at least 0")
         if not self.backends:
             raise SglxError("--attention-backend: name at least one backend to compare")
+        if not self.logit_std > 0:
+            raise SglxError(f"--logit-std {self.logit_std}: give a positive spread of the synthetic logits, "
+                            "e.g. 1 or 5")
         if self.num_steps < 1 or self.num_layers < 1:
             raise SglxError("--num-steps and --num-layers (sparse comparison) must be positive")
         if self.layer is not None and not 0 <= self.layer < self.num_layers:
@@ -405,7 +411,8 @@ def run_sparse_compare(config: SparseCompareConfig, device: torch.device, snap: 
     layer = config.num_layers - 1 if config.layer is None else config.layer
     gen = torch.Generator().manual_seed(config.seed)
     shape = (config.batch, config.tokens, config.heads, config.head_dim)
-    q, k = (clustered(shape, gen, config.centres).to(device, dtype) for _ in range(2))
+    spread = math.sqrt(config.logit_std)  # unit-variance q and k give logits of std ~1; scale both by sqrt(std)
+    q, k = ((clustered(shape, gen, config.centres) * spread).to(device, dtype) for _ in range(2))
     v = torch.randn(shape, generator=gen).to(device, dtype)
     scale = 1 / math.sqrt(config.head_dim)
     rows = torch.randperm(config.tokens, generator=gen)[:config.rows].sort().values.to(device)
@@ -432,7 +439,8 @@ def run_sparse_compare(config: SparseCompareConfig, device: torch.device, snap: 
     text = f" + {config.text_tokens} text" if config.text_tokens else ""
     return {"config": {**asdict(config), "backends": [asdict(b) for b in config.backends]},
             "label": f"canvas {t}x{h}x{w}{text} = {config.tokens} tokens, B{config.batch} H{config.heads} "
-                     f"D{config.head_dim} {dtype_name}, step {meta.step_index}/{meta.num_steps} layer {layer}",
+                     f"D{config.head_dim} {dtype_name}, step {meta.step_index}/{meta.num_steps} layer {layer}, "
+                     f"logit std {config.logit_std:g}",
             "dense_baseline": base_name, "rows": results}
 
 

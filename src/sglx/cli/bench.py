@@ -358,6 +358,9 @@ def diffusion(
                                                           "last of --num-layers; VMoBA cycles chunk shapes by layer)."),
     no_anchors: bool = typer.Option(False, "--no-anchors", help="Sparse comparison: skip FlexAttention and "
                                                                 "fastvideo-kernel at each sparse mask."),
+    logit_std: float = typer.Option(1.0, "--logit-std", help="Sparse comparison: spread (std) of the synthetic "
+                                    "logits q.k/sqrt(D). Top-p selection (SVG2) keeps more blocks when they are "
+                                    "flat; 5 gives the inputs of benchmarks/bench_sparse_backends.py."),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
 ) -> None:
@@ -377,7 +380,8 @@ def diffusion(
         if attention_backend or attention_backend_config or canvas:
             return _sparse_compare(attention_backend or [], attention_backend_config or [], canvas, num_frames,
                                    height, width, heads, head_dim, text_tokens, num_layers, layer, dtype, device,
-                                   no_baselines, no_anchors, warmup_ms, rep_ms, seed, json_output, output)
+                                   no_baselines, no_anchors, warmup_ms, rep_ms, seed, json_output, output,
+                                   logit_std)
         if attention_only and step_only:
             raise SglxError("--attention-only and --step-only exclude each other")
         dev = resolve_device(Device(device).value)
@@ -404,7 +408,7 @@ def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None,
                     width: int, heads: int, head_dim: int, text_tokens: int, num_layers: int | None,
                     layer: int | None, dtype: object, device: object, no_baselines: bool, no_anchors: bool,
                     warmup_ms: float | None, rep_ms: float | None, seed: int, json_output: bool,
-                    output: Path | None) -> None:
+                    output: Path | None, logit_std: float = 1.0) -> None:
     """`sglx bench diffusion --attention-backend ...`: parse, run sglx.bench.diffusion_sparse, print."""
     from rich.console import Console
 
@@ -425,7 +429,7 @@ def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None,
             canvas=grid, backends=pair_backends(backends, configs), heads=heads, head_dim=head_dim,
             text_tokens=text_tokens, num_layers=num_layers or 30, layer=layer,
             dtype=BenchDtype(dtype).value if dtype else None, baselines=not no_baselines, anchors=not no_anchors,
-            warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed)
+            warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed, logit_std=logit_std)
         dev = resolve_device(Device(device).value)
         err = Console(stderr=True)
         with err.status("sglx bench diffusion (sparse comparison)") as status:
