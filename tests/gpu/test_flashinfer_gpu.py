@@ -137,10 +137,13 @@ def test_backend_matches_float64_step_by_step(name, dtype, page, hq, hkv, dim, k
         lo = hi
 
 
-@pytest.mark.parametrize("name,page,tensor_cores", [("flashinfer", 1, "on"), ("flashinfer", 16, "off"),
-                                                    ("flashinfer", 64, "auto"), ("trtllm_mha", 64, "auto")])
-def test_cuda_graph_replay_equals_eager(name, page, tensor_cores):
-    """One captured decode graph (bucket 8, two layer kinds) replayed for batches of 8, 5 and 1 (padded)."""
+@pytest.mark.parametrize("name,page,tensor_cores,bucket", [
+    ("flashinfer", 1, "on", 8), ("flashinfer", 16, "off", 8), ("flashinfer", 64, "auto", 8),
+    ("trtllm_mha", 64, "auto", 8),
+    ("flashinfer", 16, "auto", 64),  # the bucket of the 8B bs64 one-batch (session 11's decode probe)
+])
+def test_cuda_graph_replay_equals_eager(name, page, tensor_cores, bucket):
+    """One captured decode graph (bucket 8 or 64, two layer kinds) replayed for full, partial and 1-request batches."""
     from sglx.attention.llm.base import BackendContext, LayerSpec
     from sglx.attention.registry import find
     from sglx.llm.forward_batch import ForwardBatch, ForwardMode
@@ -148,8 +151,8 @@ def test_cuda_graph_replay_equals_eager(name, page, tensor_cores):
 
     if name == "trtllm_mha" and not SM90:
         pytest.skip("XQA needs SM90/SM100/SM120")
-    dtype, hq, hkv, dim, bucket = torch.bfloat16, 32, 8, 128, 8
-    lens = [1, 900, 33, 2048, 64, 517, 1200, 7]
+    dtype, hq, hkv, dim = torch.bfloat16, 32, 8, 128
+    lens = [1, 900, 33, 2048, 64, 517, 1200, 7] * (bucket // 8)
     cache = make_paged_cache(lens, page, hkv, dim, dtype, device=DEV, seed=page)
     for _ in range(1):  # a second layer in the pool
         cache.pool.k_buffer.append(cache.pool.k_buffer[0] * 0.5)
@@ -185,7 +188,7 @@ def test_cuda_graph_replay_equals_eager(name, page, tensor_cores):
     with torch.cuda.graph(graph, stream=stream):
         outs = step()
     gen = torch.Generator(device=DEV).manual_seed(2)
-    for picked in ([0, 1, 2, 3, 4, 5, 6, 7], [3, 1, 6, 0, 5], [2]):
+    for picked in (list(range(bucket)), [3, 1, 6, 0, 5][:bucket - 3] + list(range(8, bucket - 3)), [2]):
         bs = len(picked)
         real = [lens[i] for i in picked]
         rpi.zero_()
