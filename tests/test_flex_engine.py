@@ -137,6 +137,21 @@ def test_flex_compile_config_is_validated(workdir: Path) -> None:
         assert eng.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == refs[0][0]
 
 
+def test_a_prefixed_config_goes_to_that_backend_of_a_hybrid_pair(workdir: Path) -> None:
+    """`flex_attention:compile=off` configures the flex prefill of a flex + torch_native pair, strictly."""
+    path, prompts, refs = model(workdir, "llama")
+    pair = dict(attention_backend=None, prefill_attention_backend="flex_attention",
+                decode_attention_backend="torch_native")
+    with flex_engine(path, attention_backend_config="flex_attention:compile=off", **pair) as eng:
+        assert eng.runner.backend.prefill.compiled is False
+        assert eng.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == refs[0][0]
+    with pytest.raises(SglxError, match="'compile' for flex_attention must be one of auto, on, off"):
+        flex_engine(path, attention_backend_config="flex_attention:compile=sometimes", **pair)
+    with pytest.raises(SglxError, match=r"flashinfer is not a backend of this run \(prefill flex_attention, "
+                                        r"decode torch_native\)"):
+        flex_engine(path, attention_backend_config="flashinfer:decode_tensor_cores=off", **pair)
+
+
 def _embedded_ready() -> bool:
     from sglx.llm.embedded import default_model_path
 

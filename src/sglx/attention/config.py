@@ -267,6 +267,18 @@ def validate_config(spec: BackendSpec, raw: Mapping[str, Any]) -> BackendConfig:
     return BackendConfig(backend=spec.name, values=values)
 
 
+_PREFIX = re.compile(r"^\s*([A-Za-z0-9_]+):(?!//)(.*)$", re.S)
+
+
+def split_backend_prefix(text: str, known: set[str]) -> tuple[str | None, str]:
+    """`name:config` -> (name, config) when `name` is a backend in `known` (one config for one backend of a
+    hybrid pair, as the diffusion comparison's per-backend configs); anything else -> (None, text)."""
+    m = _PREFIX.match(text)
+    if m is None or m.group(1) not in known or _as_config_path(text.strip()) is not None:
+        return None, text
+    return m.group(1), m.group(2)
+
+
 def load_backend_config(spec: BackendSpec, text: str | None) -> BackendConfig:
     """Parse and validate the `--attention-backend-config` value for `spec` (None means not given)."""
     return validate_config(spec, parse_config_text(text or ""))

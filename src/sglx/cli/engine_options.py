@@ -103,7 +103,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("decode_attention_backend", "--decode-attention-backend", str | None, None,
                "Backend for DECODE steps only; the prefill phase keeps the other choice.", llm_backend_names),
     EngineFlag("attention_backend_config", "--attention-backend-config", str | None, None,
-               "Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs."),
+               "Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs; prefix a backend name "
+               "(flashinfer:decode_tensor_cores=off) to give them to one backend of a prefill/decode pair."),
     EngineFlag("page_size", "--page-size", int | None, None,
                "Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse)."),
     EngineFlag("kv_cache_dtype", "--kv-cache-dtype", str, "auto",

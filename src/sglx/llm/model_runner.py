@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext
-from sglx.attention.registry import find
+from sglx.attention.registry import backend_names, find
 from sglx.attention.selection import LLMBackendArgs, LLMSelection, select_llm
 from sglx.errors import SglxError
 from sglx.llm.cuda_graph_runner import CudaGraphPlan, CudaGraphRunner, GraphTarget, cuda_graph_plan
@@ -169,16 +169,29 @@ class ModelRunner:
         names = dict.fromkeys((self.selection.prefill, self.selection.decode))
         if not text:
             return {n: {} for n in names}
-        from sglx.attention.config import load_backend_config
+        from sglx.attention.config import load_backend_config, split_backend_prefix
         from sglx.errors import ConfigError
 
-        out: dict[str, dict] = {}
-        errors: list[str] = []
-        for name in names:
+        def spec_of(name: str):  # noqa: ANN202
             spec = find(name, "llm", self.model_config.attention_kind)  # type: ignore[arg-type]
             assert spec is not None
+            return spec
+
+        target, body = split_backend_prefix(text, set(names) | set(backend_names("llm")))
+        if target is not None:  # `flashinfer:decode_tensor_cores=off`: that backend only, validated strictly
+            if target not in names:
+                raise SglxError(f"--attention-backend-config {text!r}: {target} is not a backend of this run "
+                                f"(prefill {self.selection.prefill}, decode {self.selection.decode}); name one of "
+                                f"them, or drop the '{target}:' prefix")
             try:
-                out[name] = dict(load_backend_config(spec, text).values)
+                return {n: dict(load_backend_config(spec_of(n), body).values) if n == target else {} for n in names}
+            except ConfigError as exc:
+                raise SglxError(str(exc)) from None
+        out: dict[str, dict] = {}
+        errors: list[str] = []
+        for name in names:  # no prefix: each backend of a hybrid pair takes the keys it declares
+            try:
+                out[name] = dict(load_backend_config(spec_of(name), text).values)
             except ConfigError as exc:
                 errors.append(str(exc))
                 out[name] = {}
