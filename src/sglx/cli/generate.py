@@ -184,6 +184,8 @@ def _run(config: EngineConfig, prompts: list[Any], params: Any, json_output: boo
             return
         graphs = (f"CUDA graphs: bs <= {info['cuda_graph_max_bs']}" if info["cuda_graph"]
                   else f"CUDA graphs off ({info['cuda_graph_why']})")
+        if info.get("prefill_cuda_graph"):
+            graphs += f", 1-request prefill <= {info['prefill_cuda_graph_max_tokens']} tokens"
         typer.echo(f"[sglx] {info['model_path']} | attention: {info['attention_backend']} | "
                    f"page size {info['page_size']} | {info['device']} {info['dtype']} | {graphs}", err=True)
         streams = [engine.stream(p, params) for p in prompts]  # submitted together: one batch

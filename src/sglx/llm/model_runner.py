@@ -31,6 +31,7 @@ from sglx.llm.prefill_graph_runner import PrefillGraphPlan, PrefillGraphRunner, 
 from sglx.platform import PlatformSnapshot
 
 if TYPE_CHECKING:
+    from sglx.attention.registry import BackendSpec
     from sglx.distributed.group import DistContext
 
 log = logging.getLogger(__name__)
@@ -172,12 +173,12 @@ class ModelRunner:
         from sglx.attention.config import load_backend_config, split_backend_prefix
         from sglx.errors import ConfigError
 
-        def spec_of(name: str):  # noqa: ANN202
+        def spec_of(name: str) -> BackendSpec:
             spec = find(name, "llm", self.model_config.attention_kind)  # type: ignore[arg-type]
             assert spec is not None
             return spec
 
-        target, body = split_backend_prefix(text, set(names) | set(backend_names("llm")))
+        target, body = split_backend_prefix(text, set(backend_names("llm")))
         if target is not None:  # `flashinfer:decode_tensor_cores=off`: that backend only, validated strictly
             if target not in names:
                 raise SglxError(f"--attention-backend-config {text!r}: {target} is not a backend of this run "
