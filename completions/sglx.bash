@@ -15,14 +15,14 @@ _sglx_options() {
     case "$1" in
         'sglx') echo '--version --help' ;;
         'sglx doctor') echo '--json --family --check --help' ;;
-        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
-        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx generate') echo '--prompt -p --prompts-file --chat --system --json --max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty --frequency-penalty --presence-penalty --stop --stop-token-id --ignore-eos --seed --backend --negative-prompt --num-inference-steps --guidance-scale --true-cfg-scale --height --width --num-frames --fps --output -o --output-dir --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --cuda-graph-max-prefill-tokens --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx serve') echo '--host --port --api-key --served-model-name --max-request-bytes --log-level --grace-period --backend --max-queued-requests --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --cuda-graph-max-prefill-tokens --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench') echo '--help' ;;
         'sglx bench serving') echo '--base-url --model --endpoint --num-prompts --request-rate --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --api-key --seed --json --output-file --disable-progress --offline-result --help' ;;
-        'sglx bench offline-throughput') echo '--num-prompts --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --seed --skip-warmup --json --output-file --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx bench offline-throughput') echo '--num-prompts --max-concurrency --random-input-len --random-output-len --random-range-ratio --length-dist --prompt-kind --tokenizer --vocab-size --ignore-eos --no-ignore-eos --temperature --seed --skip-warmup --json --output-file --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --cuda-graph-max-prefill-tokens --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
         'sglx bench attention') echo '--backend --phase --batch-size --num-q-heads --num-kv-heads --head-dim --context-len --prefill-shape --page-size --dtype --kv-cache-dtype --device --no-baselines --warmup-ms --rep-ms --seed --json --output --help' ;;
-        'sglx bench one-batch') echo '--batch-size --input-len --output-len --prefill-runs --prefill-floor --no-prefill-floor --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
-        'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --attention-backend --attention-backend-config --canvas --heads --head-dim --text-tokens --layer --no-anchors --json --output --help' ;;
+        'sglx bench one-batch') echo '--batch-size --input-len --output-len --prefill-runs --prefill-floor --no-prefill-floor --json --output --model-path --tokenizer-path --load-format --dtype --device --attention-backend --prefill-attention-backend --decode-attention-backend --attention-backend-config --page-size --kv-cache-dtype --kv-cache-scales --kv-cache-dtype-skip-layers --mem-fraction-static --max-total-tokens --max-running-requests --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --disable-radix-cache --context-length --random-seed --cuda-graph-max-bs --disable-cuda-graph --cuda-graph-max-prefill-tokens --disable-overlap-schedule --stream-interval --sp-size --ulysses-degree --ring-degree --tp-size --tp --dp-size --dp --help' ;;
+        'sglx bench diffusion') echo '--backend --shape --step-backend --attention-only --step-only --num-frames --height --width --num-layers --tiny --dtype --device --no-baselines --warmup-ms --rep-ms --seed --attention-backend --attention-backend-config --canvas --heads --head-dim --text-tokens --layer --no-anchors --logit-std --json --output --help' ;;
         *) ;;
     esac
 }
@@ -79,6 +79,7 @@ _sglx_nargs() {
         'sglx generate --context-length') echo '1' ;;
         'sglx generate --random-seed') echo '1' ;;
         'sglx generate --cuda-graph-max-bs') echo '1' ;;
+        'sglx generate --cuda-graph-max-prefill-tokens') echo '1' ;;
         'sglx generate --stream-interval') echo '1' ;;
         'sglx generate --sp-size') echo '1' ;;
         'sglx generate --ulysses-degree') echo '1' ;;
@@ -117,6 +118,7 @@ _sglx_nargs() {
         'sglx serve --context-length') echo '1' ;;
         'sglx serve --random-seed') echo '1' ;;
         'sglx serve --cuda-graph-max-bs') echo '1' ;;
+        'sglx serve --cuda-graph-max-prefill-tokens') echo '1' ;;
         'sglx serve --stream-interval') echo '1' ;;
         'sglx serve --sp-size') echo '1' ;;
         'sglx serve --ulysses-degree') echo '1' ;;
@@ -176,6 +178,7 @@ _sglx_nargs() {
         'sglx bench offline-throughput --context-length') echo '1' ;;
         'sglx bench offline-throughput --random-seed') echo '1' ;;
         'sglx bench offline-throughput --cuda-graph-max-bs') echo '1' ;;
+        'sglx bench offline-throughput --cuda-graph-max-prefill-tokens') echo '1' ;;
         'sglx bench offline-throughput --stream-interval') echo '1' ;;
         'sglx bench offline-throughput --sp-size') echo '1' ;;
         'sglx bench offline-throughput --ulysses-degree') echo '1' ;;
@@ -226,6 +229,7 @@ _sglx_nargs() {
         'sglx bench one-batch --context-length') echo '1' ;;
         'sglx bench one-batch --random-seed') echo '1' ;;
         'sglx bench one-batch --cuda-graph-max-bs') echo '1' ;;
+        'sglx bench one-batch --cuda-graph-max-prefill-tokens') echo '1' ;;
         'sglx bench one-batch --stream-interval') echo '1' ;;
         'sglx bench one-batch --sp-size') echo '1' ;;
         'sglx bench one-batch --ulysses-degree') echo '1' ;;
@@ -253,6 +257,7 @@ _sglx_nargs() {
         'sglx bench diffusion --head-dim') echo '1' ;;
         'sglx bench diffusion --text-tokens') echo '1' ;;
         'sglx bench diffusion --layer') echo '1' ;;
+        'sglx bench diffusion --logit-std') echo '1' ;;
         'sglx bench diffusion --output') echo '1' ;;
         *) echo '0' ;;
     esac

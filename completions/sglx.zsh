@@ -83,7 +83,7 @@ _sglx_generate() {
         '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
-        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs; prefix a backend name (flash...]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
@@ -98,7 +98,8 @@ _sglx_generate() {
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
-        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-cuda-graph[Run decode steps (and short prefills) eagerly instead of replaying CUDA graphs (graphs need a CUD...]' \
+        '--cuda-graph-max-prefill-tokens=[Longest single-request prefill replayed from a captured CUDA graph (token buckets 16, 32, 64, 96,...]:cuda-graph-max-prefill-tokens: ' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
@@ -130,7 +131,7 @@ _sglx_serve() {
         '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
-        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs; prefix a backend name (flash...]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
@@ -145,7 +146,8 @@ _sglx_serve() {
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
-        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-cuda-graph[Run decode steps (and short prefills) eagerly instead of replaying CUDA graphs (graphs need a CUD...]' \
+        '--cuda-graph-max-prefill-tokens=[Longest single-request prefill replayed from a captured CUDA graph (token buckets 16, 32, 64, 96,...]:cuda-graph-max-prefill-tokens: ' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
@@ -245,7 +247,7 @@ _sglx_bench_offline_throughput() {
         '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
-        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs; prefix a backend name (flash...]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
@@ -260,7 +262,8 @@ _sglx_bench_offline_throughput() {
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
-        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-cuda-graph[Run decode steps (and short prefills) eagerly instead of replaying CUDA graphs (graphs need a CUD...]' \
+        '--cuda-graph-max-prefill-tokens=[Longest single-request prefill replayed from a captured CUDA graph (token buckets 16, 32, 64, 96,...]:cuda-graph-max-prefill-tokens: ' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
@@ -314,7 +317,7 @@ _sglx_bench_one_batch() {
         '--attention-backend=[Attention backend: for LLMs prefill and decode, for diffusion models every DiT attention; with --...]:attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla fa torch_sdpa sliding_tile_attn sage_attn sage_attn_3 video_sparse_attn vmoba_attn sparse_video_gen_2_attn flash flash_hub flash_varlen flash_varlen_hub flash_4_hub _flash_3 _flash_varlen_3 _flash_3_hub _flash_3_varlen_hub aiter_fa2_hub flex native _native_cudnn _native_efficient _native_flash _native_math _native_npu _native_xla sage sage_hub sage_blackwell_hub sage_varlen _sage_qk_int8_pv_fp8_cuda _sage_qk_int8_pv_fp8_cuda_sm90 _sage_qk_int8_pv_fp16_cuda _sage_qk_int8_pv_fp16_triton xformers)' \
         '--prefill-attention-backend=[Backend for prefill (EXTEND) steps only; the decode phase keeps the other choice.]:prefill-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
         '--decode-attention-backend=[Backend for DECODE steps only; the prefill phase keeps the other choice.]:decode-attention-backend:(flashinfer fa3 fa4 triton torch_native flex_attention trtllm_mha dual_chunk_flash_attn aiter wave ascend intel_xpu intel_amx flashmla cutlass_mla trtllm_mla)' \
-        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs.]:attention-backend-config: ' \
+        '--attention-backend-config=[Backend parameters: a .json/.yaml file, a JSON object, or k=v pairs; prefix a backend name (flash...]:attention-backend-config: ' \
         '--page-size=[Tokens per KV-cache page (default: what the backend needs; 1 = token-level prefix reuse).]:page-size: ' \
         '--kv-cache-dtype=[KV-cache storage dtype; fp8 stores uint8 with scales (see --kv-cache-scales).]:kv-cache-dtype:(auto fp8_e4m3 fp8_e5m2)' \
         '--kv-cache-scales=[fp8 KV scales when the checkpoint has no k_scale/v_scale (which always win): auto = per token and...]:kv-cache-scales:(auto calibrate one)' \
@@ -329,7 +332,8 @@ _sglx_bench_one_batch() {
         '--context-length=[Longest sequence (prompt + output); default: the model'\''s max_position_embeddings.]:context-length: ' \
         '--random-seed=[Seed for dummy weights and for sampling of requests that give no seed of their own.]:random-seed: ' \
         '--cuda-graph-max-bs=[Largest decode batch replayed from a captured CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; defaul...]:cuda-graph-max-bs: ' \
-        '--disable-cuda-graph[Run decode steps eagerly instead of replaying CUDA graphs (graphs need a CUDA GPU and a decode ba...]' \
+        '--disable-cuda-graph[Run decode steps (and short prefills) eagerly instead of replaying CUDA graphs (graphs need a CUD...]' \
+        '--cuda-graph-max-prefill-tokens=[Longest single-request prefill replayed from a captured CUDA graph (token buckets 16, 32, 64, 96,...]:cuda-graph-max-prefill-tokens: ' \
         '--disable-overlap-schedule[Schedule each step only after reading the previous step'\''s sampled tokens (by default the host sch...]' \
         '--stream-interval=[Streamed requests get a chunk every this many tokens (the first token at once, the last ones when...]:stream-interval: ' \
         '--sp-size=[Diffusion: sequence-parallel ranks sharing each DiT step (one process per rank, one GPU each on C...]:sp-size: ' \
@@ -368,6 +372,7 @@ _sglx_bench_diffusion() {
         '--text-tokens=[Sparse comparison: joint text tokens before the video.]:text-tokens: ' \
         '--layer=[Sparse comparison: DiT layer of the call (default: the last of --num-layers; VMoBA cycles chunk s...]:layer: ' \
         '--no-anchors[Sparse comparison: skip FlexAttention and fastvideo-kernel at each sparse mask.]' \
+        '--logit-std=[Sparse comparison: spread (std) of the synthetic logits q.k/sqrt(D).]:logit-std: ' \
         '--json[Print the report as JSON instead of tables.]' \
         '--output=[Also write the JSON report here.]:output:_files' \
         '--help[Show this message and exit.]'
