@@ -12,6 +12,7 @@ import io
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,7 +54,7 @@ def main() -> None:
     s2 = io.StringIO()
     pstats.Stats(pr, stream=s2).sort_stats("cumulative").print_stats(45)
     text = s.getvalue() + "\n\n=== cumulative ===\n" + s2.getvalue()
-    open(args.output, "w").write(text)
+    Path(args.output).write_text(text)
     print(text[:12000])
 
 
