@@ -408,7 +408,7 @@ def _sparse_compare(backends: list[str], configs: list[str], canvas: str | None,
                     width: int, heads: int, head_dim: int, text_tokens: int, num_layers: int | None,
                     layer: int | None, dtype: object, device: object, no_baselines: bool, no_anchors: bool,
                     warmup_ms: float | None, rep_ms: float | None, seed: int, json_output: bool,
-                    output: Path | None, logit_std: float = 1.0) -> None:
+                    output: Path | None, logit_std: float) -> None:
     """`sglx bench diffusion --attention-backend ...`: parse, run sglx.bench.diffusion_sparse, print."""
     from rich.console import Console
 

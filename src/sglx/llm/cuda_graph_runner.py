@@ -102,6 +102,39 @@ def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor | None:
     return greedy_argmax(logits)
 
 
+GraphStep = Callable[[int], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+@torch.inference_mode()
+def capture_buckets(device: torch.device, buckets: list[int], prepare: Callable[[int], None], step: GraphStep
+                    ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """One CUDA graph per bucket: graphs, their static outputs, and their in-graph greedy picks (where made).
+
+    Largest bucket first, so later graphs reuse its memory pool. For each: `prepare(bucket)` sets the static
+    inputs, two warm-up steps on the capture stream compile kernels and settle the allocator, then
+    `step(bucket)` (the work a replay redoes: in-graph metadata, the model, the greedy pick) is captured."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device=device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    greedy: dict[int, torch.Tensor] = {}
+    for bucket in sorted(buckets, reverse=True):
+        prepare(bucket)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step(bucket)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out, picked = step(bucket)
+        graphs[bucket], outputs[bucket] = graph, out
+        if picked is not None:
+            greedy[bucket] = picked
+    torch.cuda.synchronize(device)
+    return graphs, outputs, greedy
+
+
 class BatchSources(Protocol):
     """What a captured batch points at besides its inputs: the pools and the attention backend."""
 
@@ -217,32 +250,21 @@ class CudaGraphRunner:
         return (batch.mode is ForwardMode.DECODE and 0 < batch.batch_size <= self.max_bs
                 and not batch.return_all_logits)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.target.device)
-        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
-            seq_lens_cpu = [self.fill_seq_len] * bucket
+        backend = self.target.backend
+        batches: dict[int, ForwardBatch] = {}
+
+        def prepare(bucket: int) -> None:  # all padding: every request attends to slot 0 of the padding page
             self.buffers.seq_lens[:bucket].fill_(self.fill_seq_len)
-            batch = self.buffers.batch(bucket, self.target, seq_lens_cpu)
-            backend = self.target.backend
+            batch = batches[bucket] = self.buffers.batch(bucket, self.target, [self.fill_seq_len] * bucket)
             backend.init_forward_metadata_capture_cuda_graph(bucket, batch.req_pool_indices, batch.seq_lens)
-            stream.wait_stream(torch.cuda.current_stream(self.target.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
-                    backend.init_forward_metadata_in_graph(bucket)
-                    greedy_in_graph(self.target.model(batch))
-            torch.cuda.current_stream(self.target.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
-                out = self.target.model(batch)
-                greedy = greedy_in_graph(out)
-            self.graphs[bucket] = graph
-            self.outputs[bucket] = out
-            if greedy is not None:
-                self.greedy[bucket] = greedy
-        torch.cuda.synchronize(self.target.device)
+
+        def step(bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            backend.init_forward_metadata_in_graph(bucket)  # metadata from the static inputs, per replay
+            out = self.target.model(batches[bucket])
+            return out, greedy_in_graph(out)
+
+        self.graphs, self.outputs, self.greedy = capture_buckets(self.target.device, self.buckets, prepare, step)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] of a decode batch; a view of the graph's output, valid until the next replay."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglx.llm.cuda_graph_runner import GraphTarget, greedy_in_graph
+from sglx.llm.cuda_graph_runner import GraphTarget, capture_buckets, greedy_in_graph
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
                "(--attention-backend triton for both phases has it)")
     elif tp_size > 1:
         why = "tensor parallelism: prefill graphs are captured on one GPU only"
-    if why or limit < 1:
-        return PrefillGraphPlan(False, max(limit, 0), (), why or "context length below one token")
+    if why:
+        return PrefillGraphPlan(False, limit, (), why)
     return PrefillGraphPlan(True, limit, tuple(prefill_buckets(limit)),
                             f"single-request prefills of up to {limit} tokens replay captured graphs")
 
@@ -146,14 +146,13 @@ class PrefillGraphRunner:
         self.greedy: dict[int, torch.Tensor] = {}
         self.last_greedy: torch.Tensor | None = None
         self.replays = 0
-        target.backend.init_prefill_graph_state(self.max_tokens)
-        for bucket in self.buckets:
-            target.backend.init_prefill_metadata_capture(bucket, self.buffers.qo_indptr,
-                                                         self.buffers.req_pool_indices, self.buffers.seq_lens)
+        target.backend.init_prefill_graph_state(self.buckets, self.buffers.qo_indptr, self.buffers.req_pool_indices,
+                                                self.buffers.seq_lens)
         self.capture_seconds = 0.0
         if capture:
             started = time.perf_counter()
-            self._capture_all()
+            self.graphs, self.outputs, self.greedy = capture_buckets(target.device, self.buckets, self._capture_for,
+                                                                     self._step)
             self.capture_seconds = time.perf_counter() - started
             log.info("captured %d prefill CUDA graphs (token buckets %s) in %.1f s", len(self.graphs), self.buckets,
                      self.capture_seconds)
@@ -175,27 +174,6 @@ class PrefillGraphRunner:
         b = self.buffers
         b.tokens[:, :bucket].zero_()
         b.meta.copy_(torch.tensor([0, 0, 1, bucket - 1, 0, 1, bucket, 0], dtype=torch.long))
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        device = self.target.device
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=device)
-        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
-            self._capture_for(bucket)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compiles kernels and settles allocator state before capture
-                    self._step(bucket)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out, greedy = self._step(bucket)
-            self.graphs[bucket] = graph
-            self.outputs[bucket] = out
-            if greedy is not None:
-                self.greedy[bucket] = greedy
-        torch.cuda.synchronize(device)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [1, vocab] of the request's last token; a view of the graph's output, valid until the next replay."""

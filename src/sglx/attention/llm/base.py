@@ -114,12 +114,9 @@ class AttentionBackend(ABC):
 
     # Prefill-graph hooks (llm/prefill_graph_runner.py): only backends with supports_prefill_cuda_graph
     # implement them. The batch is two requests (the real one, then padding) over `bucket` token rows.
-    def init_prefill_graph_state(self, max_tokens: int) -> None:
-        raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
-
-    def init_prefill_metadata_capture(self, bucket: int, qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
-                                      seq_lens: torch.Tensor) -> None:
-        """Set up the static metadata of one bucket from the runner's static inputs (before capture)."""
+    def init_prefill_graph_state(self, buckets: list[int], qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor) -> None:
+        """Static metadata of every token bucket over the runner's static inputs (before capture)."""
         raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
 
     def init_prefill_metadata_in_graph(self, bucket: int) -> None:

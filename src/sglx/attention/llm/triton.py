@@ -69,7 +69,7 @@ class _PrefillGraphState:
     kv_indptr: torch.Tensor  # [3] int32
     kv_indices: torch.Tensor  # [max_context + max_tokens] int32
     metas: dict[int, _Metadata]  # bucket -> its metadata (views of the buffers above)
-    inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # the runner's static (req_pool_indices, seq_lens)
+    inputs: tuple[torch.Tensor, torch.Tensor]  # the runner's static (req_pool_indices, seq_lens)
 
 
 class TritonBackend(AttentionBackend):
@@ -188,26 +188,20 @@ class TritonBackend(AttentionBackend):
         return 1  # a padded request attends to one key: slot 0 of the padding page
 
     # ------------------------------------------------------------------ CUDA graphs (short prefills)
-    def init_prefill_graph_state(self, max_tokens: int) -> None:
+    def init_prefill_graph_state(self, buckets: list[int], qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor) -> None:
         max_context = self.ctx.req_to_token_pool.max_context_len
-        device = self.ctx.device
-        self.prefill_graph = _PrefillGraphState(
-            kv_indptr=torch.zeros(3, dtype=torch.int32, device=device),
-            kv_indices=torch.zeros(max_context + max_tokens, dtype=torch.int32, device=device), metas={})
-
-    def init_prefill_metadata_capture(self, bucket: int, qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
-                                      seq_lens: torch.Tensor) -> None:
-        g = self.prefill_graph
-        assert g is not None, "init_prefill_graph_state must run first"
+        kv_indptr = torch.zeros(3, dtype=torch.int32, device=self.ctx.device)
+        kv_indices = torch.zeros(max_context + max(buckets), dtype=torch.int32, device=self.ctx.device)
         # max_extend_len = bucket: programs past a request's rows exit at once; prefix 0 picks the tile
         # shape measured best for mostly-new keys (a radix hit still runs correctly, with the other shape)
-        g.metas[bucket] = _Metadata(g.kv_indptr, g.kv_indices, qo_indptr=qo_indptr, max_extend_len=bucket,
-                                    prefix_tokens=0)
-        g.inputs = (req_pool_indices, seq_lens)
+        metas = {b: _Metadata(kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=b, prefix_tokens=0)
+                 for b in buckets}
+        self.prefill_graph = _PrefillGraphState(kv_indptr, kv_indices, metas, (req_pool_indices, seq_lens))
 
     def init_prefill_metadata_in_graph(self, bucket: int) -> None:
         g = self.prefill_graph
-        assert g is not None and g.inputs is not None and bucket in g.metas, f"no prefill graph for {bucket} tokens"
+        assert g is not None and bucket in g.metas, f"no prefill graph for {bucket} tokens"
         build_kv_metadata(self.ctx.req_to_token_pool.req_to_token, *g.inputs, g.kv_indptr, g.kv_indices)
         self.meta = g.metas[bucket]
 
