@@ -109,3 +109,45 @@ def test_triton_graph_hooks_under_the_interpreter():
     from triton_interpreted.launch import run_interpreted
 
     run_interpreted("graph_cases.py")
+
+
+def test_capture_buckets_prepares_largest_first_warms_twice_and_keeps_outputs(monkeypatch):
+    """The capture loop both graph runners share, with CUDA's graph calls stood in (their order is the contract)."""
+    import contextlib
+
+    from sglx.llm import cuda_graph_runner as cgr
+
+    calls: list[tuple] = []
+
+    class FakeStream:
+        def wait_stream(self, other):  # noqa: ANN001, ANN202
+            calls.append(("wait",))
+
+    class FakeGraph:
+        pass
+
+    @contextlib.contextmanager
+    def capturing(graph, pool=None, stream=None):  # noqa: ANN001, ANN202
+        calls.append(("capture-begin", pool))
+        yield
+        calls.append(("capture-end",))
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync",)))
+
+    def step(bucket):  # noqa: ANN001, ANN202
+        calls.append(("step", bucket))
+        return torch.full((bucket,), float(bucket)), (torch.tensor([bucket]) if bucket > 1 else None)
+
+    graphs, outputs, greedy = cgr.capture_buckets(CUDA, [1, 2, 4], lambda b: calls.append(("prepare", b)), step)
+    assert set(graphs) == set(outputs) == {1, 2, 4} and set(greedy) == {2, 4}  # no pick made: none kept
+    assert all(isinstance(g, FakeGraph) for g in graphs.values()) and outputs[4].tolist() == [4.0] * 4
+    expected = [call for b in (4, 2, 1) for call in (
+        ("prepare", b), ("wait",), ("step", b), ("step", b), ("wait",),  # two warm-ups on the capture stream
+        ("capture-begin", "pool"), ("step", b), ("capture-end",))]  # then the captured step, one shared pool
+    assert calls == [*expected, ("sync",)]
