@@ -77,7 +77,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small canvas (logic check)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", action="append", choices=("vsa", "vmoba", "svg2"),
+                    help="run only these backends (repeatable; default all)")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also profile this many warm SVG2 calls (torch.profiler: top GPU ops, host time)")
     args = ap.parse_args()
+    only = set(args.only or ("vsa", "vmoba", "svg2"))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     grid, heads, dim = ((3, 6, 8), 2, 64) if args.tiny else ((21, 30, 52), 12, 128)
@@ -97,6 +102,57 @@ def main() -> None:
     for name, fn in dense_runs(q, k, v, scale, device).items():
         record(name, bench(fn, device))
 
+    if "vsa" in only:
+        run_vsa(q, k, v, meta, scale, device, gen, record)
+    if "vmoba" in only:
+        run_vmoba(q, k, v, meta, scale, device, gen, record)
+    if "svg2" in only:
+        run_svg2(q, k, v, meta, scale, device, gen, record, results, args)
+    for key, label in (("dense cuDNN SDPA", "speedup_vs_cudnn"), ("dense FA4", "speedup_vs_fa4")):
+        base = results["runs"].get(key, {}).get("ms")
+        if base:
+            for run in results["runs"].values():
+                run[label] = round(base / run["ms"], 2)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    print(f"{'run':62s} {'ms':>8s} {'x cuDNN':>8s} {'x FA4':>6s} density route")
+    for name, run in results["runs"].items():
+        print(f"{name:62s} {run['ms']:8.3f} {run.get('speedup_vs_cudnn', 0):8.2f} {run.get('speedup_vs_fa4', 0):6.2f} "
+              f"{run.get('density', '')} {run.get('route', '')}")
+
+
+def profile_calls(fn, device: torch.device, calls: int) -> dict:
+    """torch.profiler over `calls` calls of fn: wall per call, GPU busy per call, the top GPU kernels and the
+    top host ops (self CPU time), so the time outside the attention kernel has names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    import time
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+    events = prof.key_averages()
+    gpu = sorted((e for e in events if getattr(e, "self_device_time_total", 0) > 0),
+                 key=lambda e: -e.self_device_time_total)
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    out = {"calls": calls, "wall_ms_per_call_profiled": round(wall, 3),
+           "gpu_busy_ms_per_call": round(sum(e.self_device_time_total for e in gpu) / 1e3 / calls, 3),
+           "top_gpu": [{"name": e.key[:110], "calls_per_call": e.count / calls,
+                        "us_per_call": round(e.self_device_time_total / calls, 1)} for e in gpu[:25]],
+           "top_host": [{"name": e.key[:110], "calls_per_call": e.count / calls,
+                         "self_cpu_us_per_call": round(e.self_cpu_time_total / calls, 1)} for e in host[:25]]}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def run_vsa(q, k, v, meta, scale, device, gen, record) -> None:
     vsa = VideoSparseAttentionBackend({"sparsity": 0.875})
     plan = vsa_plan(q, k, meta, 0.875, scale)
     qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
@@ -110,6 +166,9 @@ def main() -> None:
                                                         device), **extra)
     upstream_vsa(qs, ks, vs, plan, out, scale, device, record)
 
+
+
+def run_vmoba(q, k, v, meta, scale, device, gen, record) -> None:
     vmoba = VMoBABackend({})
     for layer, kind in enumerate(("temporal", "spatial", "st")):
         plan = vmoba_plan(q, k, meta, vmoba.vmoba, kind)
@@ -125,6 +184,9 @@ def main() -> None:
                bench(lambda: vmoba.forward(q, k, v, scale=scale, meta=meta, layer=layer), device),  # noqa: B023
                **extra)
 
+
+
+def run_svg2(q, k, v, meta, scale, device, gen, record, results, args) -> None:
     svg2 = SparseVideoGen2Backend({})
     first = bench(lambda: SparseVideoGen2Backend({}).forward(q, k, v, scale=scale, meta=meta, layer=5), device)
     svg2.forward(q, k, v, scale=scale, meta=meta, layer=5)
@@ -145,25 +207,17 @@ def main() -> None:
         svg2.state.layers[5].step = meta.step_index - 1  # as if the previous step clustered: warm start
         return svg2.forward(q, k, v, scale=scale, meta=meta, layer=5)
 
-    record("sparse_video_gen_2_attn default: warm call (2 k-means iters)", bench(warm, device), **extra)
-    if device.type == "cuda":  # the same call with the opt-in fused Triton assignment instead of torch's
-        os.environ[ASSIGN_ENV] = "triton"
+    record("sparse_video_gen_2_attn default: warm call (2 k-means iters, fused Triton assignment on CUDA)",
+           bench(warm, device), **extra)
+    if device.type == "cuda":  # the same call with torch's assignment (SGLX_KMEANS_ASSIGN=torch)
+        os.environ[ASSIGN_ENV] = "torch"
         try:
-            record("sparse_video_gen_2_attn default: warm call, fused Triton k-means assignment", bench(warm, device),
+            record("sparse_video_gen_2_attn default: warm call, torch's k-means assignment", bench(warm, device),
                    **extra)
         finally:
             del os.environ[ASSIGN_ENV]
-    for key, label in (("dense cuDNN SDPA", "speedup_vs_cudnn"), ("dense FA4", "speedup_vs_fa4")):
-        base = results["runs"].get(key, {}).get("ms")
-        if base:
-            for run in results["runs"].values():
-                run[label] = round(base / run["ms"], 2)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
-    print(f"{'run':62s} {'ms':>8s} {'x cuDNN':>8s} {'x FA4':>6s} density route")
-    for name, run in results["runs"].items():
-        print(f"{name:62s} {run['ms']:8.3f} {run.get('speedup_vs_cudnn', 0):8.2f} {run.get('speedup_vs_fa4', 0):6.2f} "
-              f"{run.get('density', '')} {run.get('route', '')}")
+    if args.profile:
+        results["svg2_warm_profile"] = profile_calls(warm, device, args.profile)
 
 
 if __name__ == "__main__":

@@ -404,3 +404,50 @@ def test_a_per_token_scale_pool_is_switched_to_per_layer_scales(flashinfer_stand
     assert not pool.per_token_scales and pool.k_scale == [1.0, 1.0] and pool.v_scale == [1.0, 1.0]
     assert pool.scales_pending == [True, True] and pool.k_rotation is not None
     assert fi_mod.layer_scales(pool, 1) == (None, None)  # until the first prefill stores
+
+
+# ---------------------------------------------------------------- cheap re-plan of captured decode graphs
+
+
+class _RecordingModule:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def plan(self, *args):
+        self.calls.append(args)
+        return ("plan_info", len(self.calls))
+
+
+class _GraphDecodeWrapper:
+    """The attributes FlashInfer 0.5.x's graph-mode tensor-core decode wrapper has after one full plan."""
+
+    def __init__(self, tensor_cores: bool = True, graph: bool = True) -> None:
+        self.use_tensor_cores, self.is_cuda_graph_enabled = tensor_cores, graph
+        self._float_workspace_buffer, self._int_workspace_buffer = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
+        self._pin_memory_int_workspace_buffer = torch.zeros(4, dtype=torch.int32)
+        self._cached_module = _RecordingModule()
+        self._plan_info = None
+
+
+def test_graph_replay_replans_with_the_planner_alone_after_one_full_plan() -> None:
+    from sglx.attention.llm.flashinfer import remember_graph_plan, replan_graph_decode
+
+    key = (32, 8, 128, 16, -1)
+    lens = [5, 17, 33]
+    indptr = torch.tensor(paged_lengths(lens, 16)[0], dtype=torch.int32)
+    w = _GraphDecodeWrapper()
+    assert not replan_graph_decode(w, indptr, lens, key)  # never fully planned: the caller must run plan()
+    remember_graph_plan(w, key)
+    assert not replan_graph_decode(w, indptr, lens, (32, 8, 128, 16, 63))  # another window: full plan
+    assert replan_graph_decode(w, indptr, lens, key)
+    (args,) = w._cached_module.calls
+    # exactly what BatchDecodeWithPagedKVCacheWrapper.plan passes its planner in graph mode with tensor cores
+    assert args[0] is w._float_workspace_buffer and args[1] is w._int_workspace_buffer
+    assert args[2] is w._pin_memory_int_workspace_buffer
+    assert args[3].tolist() == [0, 1, 2, 3] and args[3].dtype == torch.int32  # one query row per request
+    assert args[4].tolist() == [0, 1, 3, 6] and args[5].tolist() == lens and args[5].dtype == torch.int32
+    assert args[6:] == (3, 3, 32, 8, 16, True, 128, 128, False, -1, -1, False, 0)
+    assert w._plan_info == ("plan_info", 1) and w._max_kv_len == 33
+    for other in (_GraphDecodeWrapper(tensor_cores=False), _GraphDecodeWrapper(graph=False)):
+        remember_graph_plan(other, key)  # CUDA-core decode and eager wrappers plan in full
+        assert not replan_graph_decode(other, indptr, lens, key) and not other._cached_module.calls

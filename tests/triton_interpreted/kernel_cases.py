@@ -21,7 +21,7 @@ from sglx.attention.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     semaphore_count,
 )
-from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E402
+from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention  # noqa: E402
 from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr, build_kv_metadata  # noqa: E402
 from sglx.attention.kernels.store_kv import store_kv  # noqa: E402
 from triton_interpreted.paged import make_paged_cache, reference_attention  # noqa: E402
@@ -145,10 +145,11 @@ EXTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ext", [False, True], ids=["pool-only", "new-rows-from-ext"])
+@pytest.mark.parametrize("ext,tma", [(False, False), (True, False), (True, True)],
+                         ids=["pool-only", "new-rows-from-ext", "new-rows-through-tma"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap", EXTEND_CASES)
 def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap,
-                                                   ext):
+                                                   ext, tma):
     prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]  # no prefix, a decode-like row, both, an empty row
     lens = [p + n for p, n in zip(prefix, new)]
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
@@ -161,7 +162,7 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
     out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
     extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, interpret=True,
+                     fp8_dtype=pool.fp8_dtype, interpret=True, config=ExtendConfig(tma=tma),
                      k_ext=k_new.to(dtype) if ext else None, v_ext=v_new.to(dtype) if ext else None)
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):
@@ -172,7 +173,8 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
         row += n
 
 
-def test_extend_reads_new_tiles_from_ext_rows():
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+def test_extend_reads_new_tiles_from_ext_rows(tma):
     """The ext path is really taken: poisoned ext rows change a no-prefix request, not a prefix-only tile."""
     prefix, new = [0, 20], [40, 3]
     lens = [p + n for p, n in zip(prefix, new)]
@@ -186,7 +188,7 @@ def test_extend_reads_new_tiles_from_ext_rows():
     for k_ext in (k_new, torch.zeros_like(k_new)):
         out = torch.empty(sum(new), 2, 64)
         extend_attention(q, cache.pool.k_buffer[0], cache.pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices,
-                         max(new), 0.125, interpret=True, k_ext=k_ext, v_ext=v_new)
+                         max(new), 0.125, interpret=True, k_ext=k_ext, v_ext=v_new, config=ExtendConfig(tma=tma))
         runs.append(out)
     assert not torch.allclose(runs[0][:40], runs[1][:40])  # request 0: every key tile is this step's
     # request 1's three new keys share a tile with its prefix (20 is not a multiple of 16): read from the pool

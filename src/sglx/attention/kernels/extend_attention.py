@@ -34,6 +34,9 @@ class ExtendConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    # this step's K/V tiles (the EXT path) through TMA descriptors (CUDA SM90+, head dims 64/128/256, 16-byte
+    # aligned rows); None: the device's default (off until a same-run sweep shows it faster)
+    tma: bool | None = None
 
 
 @triton.jit
@@ -41,18 +44,23 @@ def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
-    K_Scale, V_Scale, stride_ks, stride_vs,
+    K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr,
+    FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
     FROM_EXT reads the keys from this step's contiguous K/V rows (ext_row0 + key position) instead of
-    gathering pool slots: no index load sits in front of the tile loads, so they pipeline freely.
+    gathering pool slots: no index load sits in front of the tile loads, so they pipeline freely. With TMA
+    (FROM_EXT only) K_Ext/V_Ext are [T, Hkv * D] descriptors: rows past the tensor read as zeros, rows of the
+    next request are finite and hidden by the causal/length mask of the MASKED tiles.
     """
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if FROM_EXT:
+        if FROM_EXT and TMA:
+            k = tl.trans(K_Ext.load([ext_row0 + start, ext_col_k]))
+            v = V_Ext.load([ext_row0 + start, ext_col_v])
+        elif FROM_EXT:
             rows = (ext_row0 + offs_n).to(tl.int64)
             n_mask = offs_n < kv_len
             k = tl.load(K_Ext + rows[None, :] * stride_ekt + kv_head * stride_ekh + offs_d[:, None],
@@ -96,7 +104,7 @@ def _extend_kernel(
     Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr,
+    stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr, TMA: tl.constexpr,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     SLOT_SCALES: tl.constexpr,
@@ -146,21 +154,22 @@ def _extend_kernel(
             ext_lo = kv_len + BLOCK_N  # past every key: the pool serves them all
         ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
                        stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
-                       stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs)
+                       stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
+                       kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -185,6 +194,33 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
         block_m, block_n, warps, stages = 128, 64, 4, 3
     return (config.block_m or block_m, config.block_n or block_n, config.num_warps or warps,
             config.num_stages or stages)
+
+
+def _tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> bool:
+    """Whether this launch asks for TMA loads of this step's K/V rows (config, else the default: off)."""
+    if not config.tma:
+        return False
+    if interpret:
+        return True  # the interpreter emulates descriptors: the CPU tests cover the indexing
+    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ok(x: torch.Tensor, block_n: int) -> bool:
+    """x [T, Hkv, D] (a view of the fused qkv rows) can be a [T, Hkv * D] TMA descriptor of [block_n, D] boxes:
+    D a power of two, heads packed, unit last stride, 16-byte aligned base and row stride."""
+    t, _, d = x.shape
+    size = x.element_size()
+    return (t > 0 and d == padded_dim(d) and x.stride(2) == 1 and x.stride(1) == d
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 and block_n <= 256)
+
+
+def _ext_descriptor(x: torch.Tensor, block_n: int):
+    """A host-side TMA descriptor over x [T, Hkv, D] as [T, Hkv * D] rows with x's row stride."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t, h, d = x.shape
+    rows = x.as_strided((t, h * d), (x.stride(0), 1))
+    return TensorDescriptor(rows, [t, h * d], [x.stride(0), 1], [block_n, d])
 
 
 def extend_attention(
@@ -223,18 +259,22 @@ def extend_attention(
         k_scales = v_scales = qo_indptr  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
+    tma = False
     if ext:
         k_ext = k_ext.reshape(num_tokens, hkv, -1)
         v_ext = v_ext.reshape(num_tokens, hkv, -1)
+        tma = _tma_wanted(config, q.device, interpret) and all(
+            _tma_ok(t, block_n) for t in (k_ext, v_ext))
     else:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
+    k_ext_arg, v_ext_arg = (_ext_descriptor(k_ext, block_n), _ext_descriptor(v_ext, block_n)) if tma else (k_ext, v_ext)
     _extend_kernel[grid](
-        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext, v_ext, k_scales, v_scales,
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext_arg, v_ext_arg, k_scales, v_scales,
         qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
-        EXT=ext,
+        EXT=ext, TMA=tma,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,

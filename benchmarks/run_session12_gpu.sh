@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Session 12's device calls (H100, one GPU). Usage on the device: bash benchmarks/run_session12_gpu.sh <A|B|C>
+#   A  carry [".whl/fi"], timeout 600: the CUDA-graph GPU tests (session 11's shared capture loop had run only on the
+#      CPU); FlashInfer's graph replay / engine tests with the cheap replay re-plan and strided decode queries; the
+#      8B one-batch at bs 1 and 64, triton page 128 against triton prefill + flashinfer decode page 128, alternated.
+#   B  no carry, timeout 600: Triton extend-kernel sweep (TMA for this step's K/V) against cuDNN; the block-sparse
+#      sweep (STA's Triton route, TMA variant); SVG2 with the fused k-means assignment as default, plus a profile.
+#   C  no carry: GPU tests of the extend kernel with whatever B made the default (tests/gpu/test_triton_gpu.py).
+set -u
+PART=${1:-help}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=160
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device_$PART.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/device_$PART.txt" 2>&1
+
+case $PART in
+A)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl > "$OUT/pip.txt" 2>&1
+  export PYTHONPATH=src:/tmp/site
+  timeout 150 python3 -m pytest -q -x tests/gpu/test_cuda_graph_gpu.py > "$OUT/tests_cuda_graph.txt" 2>&1
+  echo "cuda graph tests rc=$?: $(tail -1 "$OUT/tests_cuda_graph.txt")"
+  timeout 200 python3 -m pytest -q tests/gpu/test_flashinfer_gpu.py -k "cuda_graph or engine" \
+    > "$OUT/tests_flashinfer_graph_engine.txt" 2>&1
+  echo "flashinfer graph+engine tests rc=$?: $(tail -1 "$OUT/tests_flashinfer_graph_engine.txt")"
+  OB="--model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --batch-size 1,64 --input-len 512 --output-len 32"
+  declare -A CFG=([t128]="--attention-backend triton --page-size 128"
+    [fi128]="--prefill-attention-backend triton --decode-attention-backend flashinfer --page-size 128")
+  for round in a b; do
+    for c in t128 fi128; do
+      # shellcheck disable=SC2086
+      timeout 110 python3 -m sglx bench one-batch $OB ${CFG[$c]} --output "$OUT/ob_${c}_$round.json" \
+        > "$OUT/ob_${c}_$round.txt" 2>&1
+      python3 -c "
+import json
+for r in json.load(open('$OUT/ob_${c}_$round.json'))['results']:
+    print('$c $round bs', r['batch_size'], 'decode', round(r['decode_step_ms_median'], 3), 'device',
+          r.get('decode_step_device_ms_median'), 'prefill', round(r['prefill_ms'], 2), 'floor', round(r['floor_ms'], 3))
+" || { echo "$c $round failed"; tail -5 "$OUT/ob_${c}_$round.txt"; }
+    done
+  done
+  ;;
+B)
+  export PYTHONPATH=src
+  timeout 330 python3 benchmarks/sweep_extend_prefill.py --out "$OUT/sweep_extend.json" --budget-s 300 \
+    > "$OUT/sweep_extend.txt" 2>&1
+  echo "extend sweep rc=$?"; cat "$OUT/sweep_extend.txt" | tail -40
+  timeout 130 python3 benchmarks/sweep_block_sparse.py --out "$OUT/sweep_block_sparse.json" \
+    > "$OUT/sweep_block_sparse.txt" 2>&1
+  echo "block-sparse sweep rc=$?"; tail -30 "$OUT/sweep_block_sparse.txt"
+  timeout 120 python3 benchmarks/bench_sparse_backends.py --only svg2 --profile 3 --out "$OUT/svg2.json" \
+    > "$OUT/svg2.txt" 2>&1
+  echo "svg2 rc=$?"; tail -8 "$OUT/svg2.txt"
+  ;;
+C)
+  export PYTHONPATH=src
+  timeout 300 python3 -m pytest -q tests/gpu/test_triton_gpu.py -k "extend" > "$OUT/tests_extend.txt" 2>&1
+  echo "extend GPU tests rc=$?: $(tail -1 "$OUT/tests_extend.txt")"
+  ;;
+*)
+  sed -n 2,9p "$0"
+  ;;
+esac
