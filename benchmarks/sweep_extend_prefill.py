@@ -114,10 +114,10 @@ def main() -> None:
             config = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, tma=tma)
             out = torch.empty(b * n, hq, 128, device="cuda", dtype=torch.bfloat16)
 
-            def call(config=config, out=out):
+            def call(config=config, out=out, c=c, n=n, cached=b * p):
                 return extend_attention(c["q"], c["pool_k"], c["pool_v"], out, c["qo_indptr"], c["kv_indptr"],
                                         c["kv_indices"], n, 128 ** -0.5, config=config, k_ext=c["k_new"],
-                                        v_ext=c["v_new"], prefix_tokens=b * p)
+                                        v_ext=c["v_new"], prefix_tokens=cached)
             row = {"config": cfg}
             try:
                 got = call().float()
@@ -135,7 +135,7 @@ def main() -> None:
                                   f"(err {row['rel_err_vs_cudnn']:.1e})" if "ms" in row else row.get("error", "")),
                   flush=True)
         results["shapes"].append(entry)
-        del c
+        c.clear()
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
