@@ -5,7 +5,9 @@
 #      8B one-batch at bs 1 and 64, triton page 128 against triton prefill + flashinfer decode page 128, alternated.
 #   B  no carry, timeout 600: Triton extend-kernel sweep (TMA for this step's K/V) against cuDNN; the block-sparse
 #      sweep (STA's Triton route, TMA variant); SVG2 with the fused k-means assignment as default, plus a profile.
-#   C  no carry: GPU tests of the extend kernel with whatever B made the default (tests/gpu/test_triton_gpu.py).
+#   C  no carry: GPU tests of the new TMA defaults (extend, block-sparse, sparse backends, prefill graphs); a second
+#      extend sweep (warp specialization, launches around the best).
+#   D  no carry: VSA / VMoBA / SVG2 with the new defaults (+ SVG2 profile); STA's Triton route against cuDNN.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -54,8 +56,32 @@ B)
   ;;
 C)
   export PYTHONPATH=src
-  timeout 300 python3 -m pytest -q tests/gpu/test_triton_gpu.py -k "extend" > "$OUT/tests_extend.txt" 2>&1
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_triton_gpu.py -k "extend" > "$OUT/tests_extend.txt" 2>&1
   echo "extend GPU tests rc=$?: $(tail -1 "$OUT/tests_extend.txt")"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_block_sparse_attention.py tests/test_sparse_backends.py \
+    tests/test_sliding_tile.py -k "not fa4" > "$OUT/tests_sparse.txt" 2>&1
+  echo "sparse GPU tests rc=$?: $(tail -1 "$OUT/tests_sparse.txt")"
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_cuda_graph_gpu.py -k "prefill" > "$OUT/tests_prefill_graph.txt" 2>&1
+  echo "prefill graph GPU tests rc=$?: $(tail -1 "$OUT/tests_prefill_graph.txt")"
+  timeout 200 python3 benchmarks/sweep_extend_prefill.py --out "$OUT/sweep_extend2.json" --budget-s 170 \
+    > "$OUT/sweep_extend2.txt" 2>&1
+  echo "extend sweep 2 rc=$?"; grep -v "^  (" "$OUT/sweep_extend2.txt" | head; grep "^  (" "$OUT/sweep_extend2.txt" | cut -c1-150
+  ;;
+D)
+  export PYTHONPATH=src
+  timeout 200 python3 benchmarks/bench_sparse_backends.py --profile 3 --out "$OUT/sparse_backends.json" \
+    > "$OUT/sparse_backends.txt" 2>&1
+  echo "sparse backends rc=$?"; tail -16 "$OUT/sparse_backends.txt"
+  timeout 240 python3 benchmarks/bench_sparse_video.py --out "$OUT/sta.json" --no-sweep --no-step \
+    --cases "3x3x3 (85%),hunyuan,wan1.3b-480p 3x3x3" > "$OUT/sta.txt" 2>&1
+  echo "sta rc=$?"; python3 -c "
+import json
+for c in json.load(open('$OUT/sta.json'))['cases']:
+    r = c.get('routes', {}).get('triton', {})
+    print(c['case'], 'cuDNN', c.get('dense', {}).get('dense cuDNN SDPA'), 'triton', r.get('ms'), 'x', r.get('x_cudnn'),
+          'with reorder x', r.get('x_cudnn_with_reorder'), 'step-order x', r.get('x_cudnn_with_step_reorder'),
+          'err', r.get('rel_err_vs_f64'), c.get('error', ''))
+"
   ;;
 *)
   sed -n 2,9p "$0"

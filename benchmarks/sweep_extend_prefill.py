@@ -24,11 +24,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 
-# (block_m, block_n, warps, stages, tma); None fields: the kernel's default for the shape
-CONFIGS = [(None, None, None, None, False), (None, None, None, None, True),
-           (128, 64, 8, 3, True), (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 8, 4, True),
-           (128, 128, 8, 2, True), (128, 64, 8, 2, True), (128, 64, 4, 3, True), (64, 64, 4, 3, True),
-           (128, 32, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 4, True)]
+# (block_m, block_n, warps, stages, tma, warp_specialize); None fields: the kernel's default for the shape.
+# Session 12's first sweep (sweep_extend_prefill_h100_s12.json) found 128x128, 8 warps, 3 stages, TMA best (0.83x
+# cuDNN); this one tries warp specialization and the launches around that one.
+CONFIGS = [(None, None, None, None, None, False), (None, None, None, None, False, False),
+           (128, 128, 8, 3, True, True), (128, 128, 4, 3, True, True), (128, 64, 4, 3, True, True),
+           (128, 128, 8, 2, True, True), (128, 64, 8, 3, True, True), (128, 128, 4, 3, True, False),
+           (128, 128, 16, 3, True, False), (256, 64, 8, 2, True, False), (128, 128, 8, 3, None, False),
+           (256, 128, 16, 2, True, False)]
 SHAPES = [  # (name, batch, prefix, new, q heads, kv heads, configs: all or the first n)
     ("causal_4096_mha", 4, 0, 4096, 32, 32, None),
     ("causal_4096_gqa8", 4, 0, 4096, 32, 8, None),
@@ -110,8 +113,8 @@ def main() -> None:
             if time.time() - t0 > args.budget_s:
                 entry["configs"].append({"config": cfg, "skipped": "budget"})
                 continue
-            bm, bn, w, s, tma = cfg
-            config = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, tma=tma)
+            bm, bn, w, s, tma, ws = cfg
+            config = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, tma=tma, warp_specialize=ws)
             out = torch.empty(b * n, hq, 128, device="cuda", dtype=torch.bfloat16)
 
             def call(config=config, out=out, c=c, n=n, cached=b * p):

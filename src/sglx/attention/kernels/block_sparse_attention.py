@@ -107,14 +107,17 @@ def _block_sparse_fwd(
 @triton.jit
 def _block_sparse_fwd_tma(
     Q, K_desc, V_desc, Out, Kv_Indices, Kv_Counts, K_Lengths,
-    qk_scale, seq_len, num_heads,
+    qk_scale, seq_len, num_heads, row_b, row_h, col_h,
     stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_ib, stride_ih, stride_iq,
     stride_cb, stride_ch,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
 ):
-    """`_block_sparse_fwd` with K/V tiles loaded by TMA from [B * S, Hkv * D] descriptors (rows past the
-    tensor read as zeros; rows of the next batch row or padding are masked like the plain kernel's)."""
+    """`_block_sparse_fwd` with K/V tiles loaded by TMA: key s of (batch row b, KV head h) is descriptor row
+    b * row_b + h * row_h + s at column h * col_h. [B, S, Hkv, D] tensors are [B * S, Hkv * D] descriptors (row_b S,
+    row_h 0, col_h D); head-major ones (a [B, Hkv, S, D] buffer seen as [B, S, Hkv, D]) are [B * Hkv * S, D] (row_b
+    Hkv * S, row_h S, col_h 0). Rows past the tensor read as zeros; rows of the next (batch row, head) or padding
+    are masked like the plain kernel's."""
     SUBS: tl.constexpr = K_BLOCK // BLOCK_N
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -130,8 +133,8 @@ def _block_sparse_fwd_tma(
     q = tl.load(q_ptrs + offs_d[None, :], mask=m_mask[:, None], other=0.0)
     row = Kv_Indices + b * stride_ib + head * stride_ih + q_blk * stride_iq
     count = tl.load(Kv_Counts + b * stride_cb + head * stride_ch + q_blk)
-    row0 = b * seq_len
-    col = kv_head * D
+    row0 = b * row_b + kv_head * row_h
+    col = kv_head * col_h
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -178,12 +181,19 @@ def _launch(config: BlockSparseConfig, layout: BlockSparseLayout, head_dim: int,
     elif torch.cuda.get_device_capability(device)[0] >= 9:
         # H100 sweeps (benchmarks/results/bench_sparse_video_h100.json), D128, 12 heads, STA 3x3x3: 69,120
         # tokens (85%): 128x64 4 warps 2 stages 9.53 ms, 3 stages 10.26, 8 warps 3 stages 11.87, 128x128 14.09;
-        # Wan 21x30x52 padded tiles: 128x64 4 warps 2 stages 5.29 ms, 3 stages 7.53, 128x32 6.06, 8 warps 6.06
+        # Wan 21x30x52 padded tiles: 128x64 4 warps 2 stages 5.29 ms, 3 stages 7.53, 128x32 6.06, 8 warps 6.06.
+        # Session 12 (sweep_block_sparse_h100_s12.json): K/V by TMA is faster on every case swept, D128: STA 85%
+        # 128x64 4 warps 2 stages 8.11 ms (plain 9.67), padded 21x30x52 4.41 (5.33), VSA's 64-token cubes 64x64
+        # 4 warps 3 stages 2.76 (plain 2 stages 3.35). 32-key tiles and D64 were not swept with TMA: plain loads.
         cap_m, cap_n, warps, stages = 128, 64, 4, 2
+        tma = head_dim == 128
     else:
         cap_m, cap_n, warps, stages = (128, 64, 8, 2) if head_dim == 128 else (128, 64, 4, 3)
     block_m = config.block_m or _largest_divisor_tile(layout.q_block, cap_m)
     block_n = config.block_n or _largest_divisor_tile(layout.k_block, cap_n)
+    tma = tma and block_n >= 64
+    if tma and block_m == 64 and block_n == 64:
+        stages = 3  # the 64-token cubes' best TMA launch in session 12's sweep
     return (block_m, block_n, config.num_warps or warps, config.num_stages or stages,
             tma if config.tma is None else config.tma)
 
@@ -228,6 +238,24 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSpars
                         "On CPU use sglx.attention.diffusion.sparse.reference.masked_attention.")
 
 
+def _head_major(t: torch.Tensor) -> bool:
+    """t [B, S, H, D] is a view of a contiguous [B, H, S, D] buffer (SVG2's per-head permutations make these)."""
+    return t.transpose(1, 2).is_contiguous() and not t.is_contiguous()
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[tuple, tuple[int, int, int]]:
+    """TMA descriptors of K and V ([block_n, D] boxes) and the kernel's row/column mapping (see the TMA kernel):
+    head-major views are read in place; anything else goes through one contiguous [B * S, Hkv * D] copy at most."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, s, hkv, d = k.shape
+    if _head_major(k) and _head_major(v) and k.stride() == v.stride():
+        rows = [t.transpose(1, 2).reshape(b * hkv * s, d) for t in (k, v)]
+        return tuple(TensorDescriptor(r, [b * hkv * s, d], [d, 1], [block_n, d]) for r in rows), (hkv * s, s, 0)
+    rows = [t.contiguous().view(b * s, hkv * d) for t in (k, v)]
+    return tuple(TensorDescriptor(r, [b * s, hkv * d], [hkv * d, 1], [block_n, d]) for r in rows), (s, 0, d)
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
                            scale: float | None = None, *, config: BlockSparseConfig = BlockSparseConfig(),
                            out: torch.Tensor | None = None, q_map: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,13 +285,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(s, block_m), b * hq)
     if tma and q_map is None:  # (q_map calls keep the plain kernel)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         hkv = k.shape[2]
-        k2, v2 = (t.contiguous().view(b * s, hkv * d) for t in (k, v))
-        k_desc, v_desc = (TensorDescriptor(t, [b * s, hkv * d], [hkv * d, 1], [block_n, d]) for t in (k2, v2))
+        (k_desc, v_desc), (row_b, row_h, col_h) = _kv_descriptors(k, v, block_n)
         _block_sparse_fwd_tma[grid](
             q, k_desc, v_desc, out, idx, cnt, lengths if lengths is not None else cnt, float(scale) * LOG2E, s, hq,
+            row_b, row_h, col_h,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             idx.stride(0) if idx.shape[0] > 1 else 0, idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2),
             cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,

@@ -35,8 +35,11 @@ class ExtendConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     # this step's K/V tiles (the EXT path) through TMA descriptors (CUDA SM90+, head dims 64/128/256, 16-byte
-    # aligned rows); None: the device's default (off until a same-run sweep shows it faster)
+    # aligned rows, else plain loads); None: the device's default (on for SM90+)
     tma: bool | None = None
+    # Triton's warp specialization of the key loops (`tl.range(warp_specialize=True)`: producer warps issue the
+    # loads); off unless asked (measured by benchmarks/sweep_extend_prefill.py)
+    warp_specialize: bool = False
 
 
 @triton.jit
@@ -46,7 +49,7 @@ def _extend_tiles(
     offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
     K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr,
+    FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -55,7 +58,7 @@ def _extend_tiles(
     (FROM_EXT only) K_Ext/V_Ext are [T, Hkv * D] descriptors: rows past the tensor read as zeros, rows of the
     next request are finite and hidden by the causal/length mask of the MASKED tiles.
     """
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start + tl.arange(0, BLOCK_N)
         if FROM_EXT and TMA:
             k = tl.trans(K_Ext.load([ext_row0 + start, ext_col_k]))
@@ -105,6 +108,7 @@ def _extend_kernel(
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     SLOT_SCALES: tl.constexpr,
@@ -157,19 +161,19 @@ def _extend_kernel(
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -177,8 +181,8 @@ def _extend_kernel(
                  mask=m_mask[:, None] & dv_mask[None, :])
 
 
-def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool
-            ) -> tuple[int, int, int, int]:
+def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool,
+            tma: bool = False) -> tuple[int, int, int, int]:
     if interpret:
         return config.block_m or 16, config.block_n or 16, 1, 1
     if torch.version.hip:  # 64 KB LDS: small tiles, no multi-stage buffering (not measured yet)
@@ -186,10 +190,12 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
     elif head_dim > 128:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     elif torch.cuda.get_device_capability(device)[0] >= 9:
-        # H100 sweep, B4 H32 D128: keys mostly from this step's rows (4096 new, no prefix): 128x64 with
-        # 8 warps 399 TFLOP/s vs 128x128 362; mostly gathered from the pool (512 new on 4096 cached):
-        # 128x128 325 vs 128x64 273
-        block_m, block_n, warps, stages = (128, 64, 8, 3) if ext_heavy else (128, 128, 8, 3)
+        # H100 sweeps, B4 H32 D128. Session 12 (benchmarks/results/sweep_extend_prefill_h100_s12.json, cuDNN in
+        # the same run): this step's K/V through TMA, 128x128, 8 warps, 3 stages: causal 4096 435 TFLOP/s = 0.826x
+        # cuDNN (MHA; GQA-8 0.828x) against plain loads' 128x64 389 (0.740x) and 128x128 360; 512 new on 4096
+        # cached 332 TFLOP/s = 1.13x cuDNN's masked call. Earlier, without TMA: 128x64 won where keys come mostly
+        # from this step's rows, 128x128 where they are mostly gathered from the pool (plain loads keep that rule).
+        block_m, block_n, warps, stages = (128, 64, 8, 3) if ext_heavy and not tma else (128, 128, 8, 3)
     else:  # ~100-164 KB shared memory: 128x64 tiles fit with 3 stages
         block_m, block_n, warps, stages = 128, 64, 4, 3
     return (config.block_m or block_m, config.block_n or block_n, config.num_warps or warps,
@@ -197,21 +203,22 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
 
 
 def _tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> bool:
-    """Whether this launch asks for TMA loads of this step's K/V rows (config, else the default: off)."""
-    if not config.tma:
+    """Whether this launch loads this step's K/V rows by TMA: the config's choice, else on for SM90+ GPUs (session
+    12's H100 sweep: +11-21% on causal prefill; see `_launch`)."""
+    if config.tma is False:
         return False
     if interpret:
-        return True  # the interpreter emulates descriptors: the CPU tests cover the indexing
+        return bool(config.tma)  # the interpreter emulates descriptors: the CPU tests cover the indexing
     return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _tma_ok(x: torch.Tensor, block_n: int) -> bool:
+def _tma_ok(x: torch.Tensor) -> bool:
     """x [T, Hkv, D] (a view of the fused qkv rows) can be a [T, Hkv * D] TMA descriptor of [block_n, D] boxes:
-    D a power of two, heads packed, unit last stride, 16-byte aligned base and row stride."""
+    D a power of two up to 256, heads packed, unit last stride, 16-byte aligned base and row stride."""
     t, _, d = x.shape
     size = x.element_size()
-    return (t > 0 and d == padded_dim(d) and x.stride(2) == 1 and x.stride(1) == d
-            and x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 and block_n <= 256)
+    return (t > 0 and d == padded_dim(d) and d <= 256 and x.stride(2) == 1 and x.stride(1) == d
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0)
 
 
 def _ext_descriptor(x: torch.Tensor, block_n: int):
@@ -248,8 +255,12 @@ def extend_attention(
     hkv = k_buffer.shape[1]
     dim_v = v_buffer.shape[-1]
     ext = k_ext is not None and v_ext is not None and fp8_dtype is None
+    if ext:
+        k_ext = k_ext.reshape(num_tokens, hkv, -1)
+        v_ext = v_ext.reshape(num_tokens, hkv, -1)
+    tma = ext and _tma_wanted(config, q.device, interpret) and all(_tma_ok(t) for t in (k_ext, v_ext))
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret,
-                                                      ext and prefix_tokens <= num_tokens)
+                                                      ext and prefix_tokens <= num_tokens, tma)
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
     if slot_scales:
@@ -259,13 +270,7 @@ def extend_attention(
         k_scales = v_scales = qo_indptr  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
-    tma = False
-    if ext:
-        k_ext = k_ext.reshape(num_tokens, hkv, -1)
-        v_ext = v_ext.reshape(num_tokens, hkv, -1)
-        tma = _tma_wanted(config, q.device, interpret) and all(
-            _tma_ok(t, block_n) for t in (k_ext, v_ext))
-    else:
+    if not ext:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
     k_ext_arg, v_ext_arg = (_ext_descriptor(k_ext, block_n), _ext_descriptor(v_ext, block_n)) if tma else (k_ext, v_ext)
     _extend_kernel[grid](
@@ -274,7 +279,7 @@ def extend_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
-        EXT=ext, TMA=tma,
+        EXT=ext, TMA=tma, WS=config.warp_specialize,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,

@@ -336,13 +336,33 @@ def svg2_plan(q_labels: torch.Tensor, k_labels: torch.Tensor, cluster_map: torch
 
 
 def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] -> [B, L, H, D]: slot i of head h holds x[:, index[:, i, h], h]."""
-    return x.gather(1, index[..., None].expand(*index.shape, x.shape[-1]))
+    """x [B, S, H, D] -> [B, L, H, D]: slot i of head h holds x[:, index[:, i, h], h].
+
+    One gather of whole D-wide rows (`index_select`) into a head-major buffer [B, H, L, D], returned as its
+    [B, L, H, D] view (the block-sparse kernels take any strides and read head-major K/V by TMA in place). Why: an
+    element-wise `gather` reads an expanded int64 index per element, 4x the data it moves (H100 profile, Wan 480p:
+    0.22 ms a tensor)."""
+    b, s, h, d = x.shape
+    length = index.shape[1]
+    heads = torch.arange(h, device=x.device)[None, :, None]
+    rows = (torch.arange(b, device=x.device)[:, None, None] * s + index.transpose(1, 2)) * h + heads  # [B, H, L]
+    flat = (x if x.is_contiguous() else x.contiguous()).view(b * s * h, d)
+    return flat.index_select(0, rows.reshape(-1)).view(b, h, length, d).transpose(1, 2)
 
 
 def unpermute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """[B, L, H, D] in slot order -> [B, S, H, D] in input order (`slot` [B, S, H])."""
-    return x.gather(1, slot[..., None].expand(*slot.shape, x.shape[-1]))
+    """[B, L, H, D] in slot order -> [B, S, H, D] in input order (`slot` [B, S, H]): one row gather, reading a
+    head-major x (what `permute` and kernels fed by it give) in place."""
+    b, length, h, d = x.shape
+    batch = torch.arange(b, device=x.device)[:, None, None]
+    heads = torch.arange(h, device=x.device)[None, None, :]
+    if x.transpose(1, 2).is_contiguous():
+        flat = x.transpose(1, 2).reshape(b * h * length, d)  # a view
+        rows = (batch * h + heads) * length + slot
+    else:
+        flat = (x if x.is_contiguous() else x.contiguous()).view(b * length * h, d)
+        rows = (batch * length + slot) * h + heads
+    return flat.index_select(0, rows.reshape(-1)).view(*slot.shape, d)
 
 
 def _problems(x: torch.Tensor, image: slice, dtype: torch.dtype) -> torch.Tensor:
