@@ -8,6 +8,7 @@
 #   C  no carry: GPU tests of the new TMA defaults (extend, block-sparse, sparse backends, prefill graphs); a second
 #      extend sweep (warp specialization, launches around the best).
 #   D  no carry: VSA / VMoBA / SVG2 with the new defaults (+ SVG2 profile); STA's Triton route against cuDNN.
+#   E  no carry: SVG2's row-gather and atomic-free k-means update kernels: GPU tests, then the SVG2 bench + profile.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -82,6 +83,15 @@ for c in json.load(open('$OUT/sta.json'))['cases']:
           'with reorder x', r.get('x_cudnn_with_reorder'), 'step-order x', r.get('x_cudnn_with_step_reorder'),
           'err', r.get('rel_err_vs_f64'), c.get('error', ''))
 "
+  ;;
+E)
+  export PYTHONPATH=src
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_kmeans_assign_gpu.py tests/test_sparse_backends.py \
+    tests/test_block_sparse_attention.py -k "not fa4" > "$OUT/tests_svg2.txt" 2>&1
+  echo "kmeans + sparse GPU tests rc=$?: $(tail -1 "$OUT/tests_svg2.txt")"
+  timeout 150 python3 benchmarks/bench_sparse_backends.py --only svg2 --profile 3 --out "$OUT/svg2_e.json" \
+    > "$OUT/svg2_e.txt" 2>&1
+  echo "svg2 rc=$?"; tail -6 "$OUT/svg2_e.txt"
   ;;
 *)
   sed -n 2,9p "$0"

@@ -36,3 +36,17 @@ def test_kmeans_fused_equals_torch_assignment(monkeypatch):
     fused = kmeans_module.kmeans(x, 50, 2, init=centroids, x_scores=x.bfloat16())
     assert torch.equal(fused.labels, plain.labels)
     assert torch.allclose(fused.centroids, plain.centroids, atol=1e-5)
+
+
+def test_segment_update_matches_index_add_update(monkeypatch):
+    """The CUDA default centroid update (sorted segment means) against torch's index_add_ update on SVG2's key
+    shape (12 problems, 4,099 points, 1,000 clusters: some empty), float32."""
+    x, centroids = _points(12, 4099, 1000, 128)
+    labels = torch.randint(0, 1000, (12, 4099), device=x.device)
+    labels[:, :7] = 999  # one crowded cluster, and (with 1,000 clusters for 4,099 points) empty ones
+    monkeypatch.setenv(kmeans_module.UPDATE_ENV, "torch")
+    want = kmeans_module.update(x, labels, centroids)
+    monkeypatch.setenv(kmeans_module.UPDATE_ENV, "triton")
+    assert kmeans_module.fused_update(x) is not None
+    got = kmeans_module.update(x, labels, centroids)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -34,3 +34,23 @@ def test_ties_keep_the_lowest_centroid_across_tiles():
     centroids[0, 65] = -0.0
     centroids[0, :65] += 1.0  # only 65.. stay nearest: the first of them wins
     assert nearest_centroid(x, centroids).tolist() == [[65] * 5]
+
+
+@pytest.mark.parametrize(("p", "n", "c", "d"), [(3, 200, 7, 16), (2, 50, 60, 64), (1, 1, 4, 128)])
+def test_segment_update_equals_index_add_means(p, n, c, d):
+    """The atomic-free centroid update: each cluster's mean of its points (float64 here, so the summation order
+    cannot matter), an empty cluster keeping its old centroid (c > n forces some)."""
+    from sglx.attention.diffusion.sparse.kmeans import update
+    from sglx.attention.kernels.kmeans_update import segment_update, segment_update_supported
+
+    g = torch.Generator().manual_seed(p * n + c)
+    x = torch.randn(p, n, d, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, c, (p, n), generator=g)
+    old = torch.randn(p, c, d, generator=g, dtype=torch.float64)
+    assert segment_update_supported(x)
+    got = segment_update(x, labels, old)
+    want = update(x, labels, old)  # CPU tensors: torch's index_add_ update
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    empty = torch.ones(p, c, dtype=torch.bool)
+    empty.scatter_(1, labels, False)
+    assert torch.equal(got[empty], old[empty])

@@ -13,7 +13,9 @@ one fused `|c|^2 - 2 x.c` (no float copies of the score tensor), and centroid su
 flattened (problem, cluster) rows instead of a scatter through a [P, N, D] index. On CUDA with half-precision
 scores the assignment is one Triton kernel (sglx.attention.kernels.kmeans_assign) that never writes the score
 tensor: the default there since it passed its GPU tests and halved SVG2's warm call in three H100 runs (sessions 7,
-10, 11: 21.0-21.1 ms with torch's assignment, 9.98-10.1 ms fused). SGLX_KMEANS_ASSIGN=torch turns it off.
+10, 11: 21.0-21.1 ms with torch's assignment, 9.98-10.1 ms fused). SGLX_KMEANS_ASSIGN=torch turns it off. On CUDA
+the update is likewise one Triton kernel over points sorted by cluster (sglx.attention.kernels.kmeans_update: no float
+atomics, a fixed summation order); SGLX_KMEANS_UPDATE=torch turns it off.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 MAX_SCORE_ELEMENTS = 1 << 27  # ~512 MB of float32 scores per slice
 ASSIGN_ENV = "SGLX_KMEANS_ASSIGN"  # "torch": torch's assignment everywhere; unset or "triton": fused where it runs
+UPDATE_ENV = "SGLX_KMEANS_UPDATE"  # "torch": index_add_ updates everywhere; unset or "triton": sorted segment means
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,17 @@ def fused_assign(xs: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], tor
     except ImportError:
         return None
     return nearest_centroid if fused_assign_supported(xs) else None
+
+
+def fused_update(x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The atomic-free Triton centroid update where it serves these points (CUDA float32/64), else None."""
+    if not x.is_cuda or os.environ.get(UPDATE_ENV, "triton").strip().lower() != "triton":
+        return None
+    try:
+        from sglx.attention.kernels.kmeans_update import segment_update, segment_update_supported
+    except ImportError:
+        return None
+    return segment_update if segment_update_supported(x) else None
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor, x_scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,6 +106,9 @@ def update(x: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor, offse
            ) -> torch.Tensor:
     """Mean of each cluster's points; an empty cluster keeps its centroid. `offsets` [P, 1]: p * C (kept by
     a caller that updates many times)."""
+    kernel = fused_update(x)
+    if kernel is not None:  # CUDA: sorted segment means, no float atomics (sglx.attention.kernels.kmeans_update)
+        return kernel(x, labels, centroids)
     p, n, d = x.shape
     c = centroids.shape[1]
     rows = _flat(labels, c) if offsets is None else (labels + offsets).reshape(-1)
@@ -134,5 +151,5 @@ def kmeans(x: torch.Tensor, clusters: int, iters: int, init: torch.Tensor | None
     return KMeansResult(labels, centroids, cluster_sizes(labels, clusters))
 
 
-__all__ = ["ASSIGN_ENV", "CHECK_EVERY", "KMeansResult", "assign", "cluster_sizes", "fused_assign", "kmeans",
-           "strided_init", "update"]
+__all__ = ["ASSIGN_ENV", "CHECK_EVERY", "UPDATE_ENV", "KMeansResult", "assign", "cluster_sizes", "fused_assign",
+           "fused_update", "kmeans", "strided_init", "update"]
