@@ -9,6 +9,7 @@
 #      extend sweep (warp specialization, launches around the best).
 #   D  no carry: VSA / VMoBA / SVG2 with the new defaults (+ SVG2 profile); STA's Triton route against cuDNN.
 #   E  no carry: SVG2's row-gather and atomic-free k-means update kernels: GPU tests, then the SVG2 bench + profile.
+#   F  no carry: VMoBA's 64-token blocks for 96-token chunks (tiny-shapes GPU check, tests, bench); extend sweep 3.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -92,6 +93,19 @@ E)
   timeout 150 python3 benchmarks/bench_sparse_backends.py --only svg2 --profile 3 --out "$OUT/svg2_e.json" \
     > "$OUT/svg2_e.txt" 2>&1
   echo "svg2 rc=$?"; tail -6 "$OUT/svg2_e.txt"
+  ;;
+F)
+  export PYTHONPATH=src
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_tiny_shapes_gpu.py -k vmoba > "$OUT/tests_tiny_vmoba.txt" 2>&1
+  echo "tiny-shapes vmoba GPU test rc=$?: $(tail -1 "$OUT/tests_tiny_vmoba.txt")"
+  timeout 100 python3 -m pytest -q -m gpu tests/test_sparse_backends.py -k "vmoba and not fa4" \
+    > "$OUT/tests_vmoba.txt" 2>&1
+  echo "vmoba GPU tests rc=$?: $(tail -1 "$OUT/tests_vmoba.txt")"
+  timeout 120 python3 benchmarks/bench_sparse_backends.py --only vmoba --out "$OUT/vmoba_f.json" > "$OUT/vmoba_f.txt" 2>&1
+  echo "vmoba rc=$?"; tail -9 "$OUT/vmoba_f.txt"
+  timeout 200 python3 benchmarks/sweep_extend_prefill.py --out "$OUT/sweep_extend3.json" --budget-s 170 \
+    > "$OUT/sweep_extend3.txt" 2>&1
+  echo "extend sweep 3 rc=$?"; grep -v "^  (" "$OUT/sweep_extend3.txt" | head -5; grep "^  (" "$OUT/sweep_extend3.txt" | cut -c1-150
   ;;
 *)
   sed -n 2,9p "$0"
