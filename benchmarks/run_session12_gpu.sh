@@ -10,6 +10,8 @@
 #   D  no carry: VSA / VMoBA / SVG2 with the new defaults (+ SVG2 profile); STA's Triton route against cuDNN.
 #   E  no carry: SVG2's row-gather and atomic-free k-means update kernels: GPU tests, then the SVG2 bench + profile.
 #   F  no carry: VMoBA's 64-token blocks for 96-token chunks (tiny-shapes GPU check, tests, bench); extend sweep 3.
+#   fa4 three calls, carries [".whl/fa/c1"], [".whl/fa/c2_ab"], [".whl/fa/c2_ac"] (FA4 + diffusers on one machine), then
+#   G  tiny-shapes GPU test for vmoba and SVG2; one Wan2.1-1.3B step with each sparse backend (bench_sparse_video.py).
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -106,6 +108,28 @@ F)
   timeout 200 python3 benchmarks/sweep_extend_prefill.py --out "$OUT/sweep_extend3.json" --budget-s 170 \
     > "$OUT/sweep_extend3.txt" 2>&1
   echo "extend sweep 3 rc=$?"; grep -v "^  (" "$OUT/sweep_extend3.txt" | head -5; grep "^  (" "$OUT/sweep_extend3.txt" | cut -c1-150
+  ;;
+fa4)  # one of FA4's three carries (.whl/fa/c1, c2_ab, c2_ac; any order, one warm machine): stash it, set up once all are here
+  mkdir -p /tmp/parts
+  for d in .whl/fa/c2_ab .whl/fa/c2_ac; do [ -d "$d" ] && cp -n "$d"/cu13.part_* /tmp/parts/ 2>/dev/null; done
+  FA4_PIP_LOG=/tmp/pip_fa4.txt . benchmarks/device_fa4_setup.sh > /tmp/fa4_setup.txt 2>&1
+  echo "cu13 parts here: $(ls /tmp/parts | tr '\n' ' ')"; tail -2 /tmp/fa4_setup.txt
+  ;;
+G)  # after the three fa4 calls: tiny-shapes on the GPU for VMoBA (64-token blocks) and SVG2 (row gather, segment
+    # update), then one dummy Wan2.1-1.3B step with each sparse backend next to diffusers and dense FA4
+  export PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+  python3 -c "import flash_attn.cute, diffusers; print('fa4 + diffusers importable')" 2>&1 | tail -1
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_tiny_shapes_gpu.py -k "vmoba or sparse_video" \
+    > "$OUT/tests_tiny_sparse.txt" 2>&1
+  echo "tiny-shapes vmoba + svg2 GPU rc=$?: $(tail -1 "$OUT/tests_tiny_sparse.txt")"
+  timeout 300 python3 benchmarks/bench_sparse_video.py --out "$OUT/sparse_step.json" --no-sweep --no-step --sparse-step \
+    --cases none > "$OUT/sparse_step.txt" 2>&1
+  echo "sparse step rc=$?"; python3 -c "
+import json
+r = json.load(open('$OUT/sparse_step.json')).get('sparse_step', {})
+for k, v in r.get('rows', {}).items(): print(k, v)
+print('density', r.get('density')); print(r.get('error', ''))
+"
   ;;
 *)
   sed -n 2,9p "$0"
