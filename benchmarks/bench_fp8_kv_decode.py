@@ -95,7 +95,7 @@ def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             def kernel(pool=pool, out=out, q_in=q_rot, config=config) -> None:
                 decode_attention(q_in, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o,
                                  mid_lse, DIM ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0],
-                                 fp8_dtype=pool.fp8_dtype, config=config)
+                                 fp8_dtype=pool.fp8_dtype, config=config, page_size=page)
 
             def with_rotation(pool=pool, out=out, config=config) -> None:
                 decode_attention(pool.rotate_query(q), pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr,
@@ -104,7 +104,8 @@ def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
             row: dict = dict(page=page, kv=name, variant=label, splits=splits,
                              config={f: getattr(config, f) for f in ("block_n", "num_stages", "token_scale_fold",
-                                                                     "fp8_convert") if getattr(config, f) is not None})
+                                                                     "fp8_convert", "tma")
+                                     if getattr(config, f) is not None})
             try:
                 out.fill_(float("nan"))
                 kernel()
@@ -238,6 +239,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="recall rows that would end later than this many seconds after start are skipped")
     ap.add_argument("--device", default="cuda", help="cpu: recall only, through torch_native")
+    ap.add_argument("--pages", default="1,16", help="comma-separated page sizes of the decode timings")
+    ap.add_argument("--tma", action="store_true",
+                    help="time each pool's default launch and K/V by TMA (DecodeConfig.tma) instead of the variants")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.device == "cpu":
@@ -257,8 +261,14 @@ def main() -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             result["cudnn_bf16_ms"] = cudnn = median_ms(lambda q=q, k=k, v=v: sdpa_decode(q, k, v))
         print(f"{result['device']} cuDNN bf16 contiguous {cudnn:.4f} ms", flush=True)  # in the session summary
-        for page in (1, 16):
-            result["decode"] += decode_rows(page, q, k, v, cudnn)
+        variants = VARIANTS
+        if args.tma:
+            variants = [(pool, label, config) for pool in POOLS for label, config in
+                         (("default", DecodeConfig()), ("tma", DecodeConfig(tma=True)),
+                          ("tma, num_stages 4", DecodeConfig(tma=True, num_stages=4)),
+                          ("tma, block_n 128", DecodeConfig(tma=True, block_n=128)))]
+        for page in (int(x) for x in args.pages.split(",")):
+            result["decode"] += decode_rows(page, q, k, v, cudnn, variants)
             out.write_text(json.dumps(result, indent=1))  # after every section: a timeout keeps what was measured
         result["decode_seconds"] = round(time.monotonic() - started, 1)
         del k, v

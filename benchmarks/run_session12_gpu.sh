@@ -12,6 +12,7 @@
 #   F  no carry: VMoBA's 64-token blocks for 96-token chunks (tiny-shapes GPU check, tests, bench); extend sweep 3.
 #   fa4 three calls, carries [".whl/fa/c1"], [".whl/fa/c2_ab"], [".whl/fa/c2_ac"] (FA4 + diffusers on one machine), then
 #   G  tiny-shapes GPU test for vmoba and SVG2; one Wan2.1-1.3B step with each sparse backend (bench_sparse_video.py).
+#   H  no carry: paged decode (bf16, fp8 per-layer, fp8 per-token) with K/V by TMA against the default, pages 64/128.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -108,6 +109,12 @@ F)
   timeout 200 python3 benchmarks/sweep_extend_prefill.py --out "$OUT/sweep_extend3.json" --budget-s 170 \
     > "$OUT/sweep_extend3.txt" 2>&1
   echo "extend sweep 3 rc=$?"; grep -v "^  (" "$OUT/sweep_extend3.txt" | head -5; grep "^  (" "$OUT/sweep_extend3.txt" | cut -c1-150
+  ;;
+H)  # paged decode with K/V by TMA (DecodeConfig.tma; pages of whole 64-key tiles) against the default, B64 ctx 4096
+  export PYTHONPATH=src
+  timeout 300 python3 benchmarks/bench_fp8_kv_decode.py --output "$OUT/decode_tma.json" --pages 64,128 --tma --no-store \
+    > "$OUT/decode_tma.txt" 2>&1
+  echo "decode tma rc=$?"; tail -30 "$OUT/decode_tma.txt"
   ;;
 fa4)  # one of FA4's three carries (.whl/fa/c1, c2_ab, c2_ac; any order, one warm machine): stash it, set up once all are here
   mkdir -p /tmp/parts

@@ -109,11 +109,26 @@ DECODE_CASES = [
 ]
 
 
+def _poison_page_tails(cache, lens: list[int], page: int) -> None:
+    """NaN (float pools) / 0x7F (fp8 bits: NaN in e4m3) in the slots of each request's last page past its length:
+    a TMA tile reads them, and they must not reach the output."""
+    pool = cache.pool
+    for row, n in zip(cache.rows, lens):
+        last = int(cache.r2t.req_to_token[row, n - 1])
+        tail = list(range(last + 1, (last // page + 1) * page))
+        for buf in (pool.k_buffer[0], pool.v_buffer[0]):
+            buf[tail] = 0x7F if buf.dtype == torch.uint8 else float("nan")
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
 @pytest.mark.parametrize("merge", ["second-kernel", "last-split"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap,max_splits", DECODE_CASES)
-def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits, merge):
+def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits, merge,
+                                tma):
     lens = [1, 70, 33]  # a one-token request, one that needs every split, one in between
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales, seed=dim)
+    if tma:  # TMA applies to pages of whole 16-key tiles without a window: the others check the fallback
+        _poison_page_tails(cache, lens, page)
     kv_indptr, kv_indices = _indices(cache, lens)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = torch.full((len(lens), hq, dim), float("nan"), dtype=dtype)
@@ -123,8 +138,8 @@ def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scale
     pool = cache.pool
     decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16), interpret=True,
-                     semaphores=sems)
+                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16, tma=tma), interpret=True,
+                     semaphores=sems, page_size=page)
     if sems is not None:
         assert sems.eq(0).all()  # every launch leaves them ready for the next (graph replays rely on it)
     for i, n in enumerate(lens):

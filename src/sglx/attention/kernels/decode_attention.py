@@ -66,6 +66,9 @@ class DecodeConfig:
     # 106, 577, 9). Each row's weights are normalised by its own largest p * s (tile_max: by the tile's
     # largest s, which leaves subnormal fp16 weights where likely keys have small scales). None: "exponent".
     token_scale_fold: str | None = None
+    # K/V tiles by TMA (CUDA SM90+): only where every tile is BLOCK_N consecutive slots of one page (the caller's
+    # page size a multiple of block_n, no sliding window); None: off (session 12 measures it)
+    tma: bool | None = None
 
     def __post_init__(self) -> None:
         if self.token_scale_fold is not None and self.token_scale_fold not in TOKEN_SCALE_FOLDS:
@@ -128,7 +131,7 @@ def _decode_stage1(
     qk_scale, logit_cap, v_scale, window, max_splits, min_chunk,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_vs,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr, TMA: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr, SLOT_SCALES: tl.constexpr,
@@ -161,9 +164,14 @@ def _decode_stage1(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
-            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            if TMA:  # the tile is BLOCK_N consecutive slots of one page: one box each for K and V
+                first = tl.load(Kv_Indices + kv_start + start)
+                slots = first.to(tl.int64) + tl.arange(0, BLOCK_N)  # past hi: the same page's later slots
+                k = tl.trans(K_Buf.load([first, kv_head * D]))
+            else:
+                slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                            mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
             qk = dot(q, k, IEEE)
             if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
@@ -176,9 +184,14 @@ def _decode_stage1(
                     qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head, mask=n_mask, other=0.0)[None, :]
                 p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
                                                            logit_cap, True, SOFTCAP)
-            v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+            if TMA:
+                v = V_Buf.load([first, kv_head * DV])
+            else:
+                v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                            mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
             v = kv_tile_to_compute(v, FMT, CVT >= 1, q.dtype)
+            if TMA:  # rows past hi hold whatever the page holds (never-written bits may be NaN): zero weights
+                v = tl.where(n_mask[:, None], v, 0.0).to(v.dtype)  # are not enough, zero the rows
             if SLOT_SCALES and SCALE_FOLD == 0:  # p * scale / (the tile's largest scale) stays in [0, 1]
                 v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
                 v_top = tl.max(v_scale_n, 0)
@@ -269,12 +282,38 @@ def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool) -> tupl
     return block_n, config.num_warps or 4, config.num_stages or (1 if torch.version.hip else 3)
 
 
+def _tma_ok(config: DecodeConfig, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int, block_n: int,
+            window: int, dim: int, dim_v: int, interpret: bool) -> bool:
+    """Whether stage 1 may load K/V tiles by TMA: asked for, every tile one page's consecutive slots (page size a
+    multiple of block_n, no window: split starts stay tile-aligned), power-of-two head dims, packed heads, 16-byte
+    aligned rows, and a device with TMA (or the interpreter)."""
+    if not config.tma or window or page_size % block_n or dim != padded_dim(dim) or dim_v != padded_dim(dim_v):
+        return False
+    for buf, d in ((k_buffer, dim), (v_buffer, dim_v)):
+        if (buf.dim() != 3 or buf.stride(2) != 1 or buf.stride(1) != d or buf.data_ptr() % 16
+                or (buf.stride(0) * buf.element_size()) % 16):
+            return False
+    if interpret:
+        return True
+    return k_buffer.is_cuda and not torch.version.hip and torch.cuda.get_device_capability(k_buffer.device)[0] >= 9
+
+
+def _pool_descriptor(buf: torch.Tensor, block_n: int):
+    """A TMA descriptor over a pool buffer [slots, Hkv, D] as [slots, Hkv * D] rows, [block_n, D] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, h, d = buf.shape
+    flat = buf.as_strided((rows, h * d), (buf.stride(0), 1))
+    return TensorDescriptor(flat, [rows, h * d], [buf.stride(0), 1], [block_n, d])
+
+
 def decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
     k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, fp8_dtype: torch.dtype | None = None,
     config: DecodeConfig = DecodeConfig(), interpret: bool = False, semaphores: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> torch.Tensor:
     """One query per request: q [bs, Hq, D], out [bs, Hq, Dv]; mid_o [bs, Hq, max_splits, Dv] and
     mid_lse [bs, Hq, max_splits] (float32) are scratch whose split dimension sets `max_splits`.
@@ -315,13 +354,16 @@ def decode_attention(
     merge_here = semaphores is not None and bs <= config.merge_max_batch
     if merge_here and semaphores.numel() < (need := semaphore_count(bs, hq, hkv)):
         raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {need}")
+    tma = _tma_ok(config, k_buffer, v_buffer, page_size, block_n, window, dim, dim_v, interpret)
+    k_arg, v_arg = (_pool_descriptor(k_buffer, block_n), _pool_descriptor(v_buffer, block_n)) if tma else (k_buffer,
+                                                                                                         v_buffer)
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
+        q, k_arg, v_arg, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
         k_scales, v_scales, qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_scales.stride(0), v_scales.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits),
+        out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits), TMA=tma,
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
         CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
