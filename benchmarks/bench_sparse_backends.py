@@ -80,12 +80,16 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=("vsa", "vmoba", "svg2"),
                     help="run only these backends (repeatable; default all)")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
-                    help="also profile this many warm SVG2 calls (torch.profiler: top GPU ops, host time)")
+                    help="also profile this many warm SVG2 / whole VSA calls (torch.profiler: top GPU ops, host time)")
+    ap.add_argument("--grid", default=None, metavar="TxHxW",
+                    help="latent grid (default 21x30x52, Wan2.1-1.3B at 480p; issue 11's table is 18x48x80)")
     args = ap.parse_args()
     only = set(args.only or ("vsa", "vmoba", "svg2"))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     grid, heads, dim = ((3, 6, 8), 2, 64) if args.tiny else ((21, 30, 52), 12, 128)
+    if args.grid:
+        grid = tuple(int(x) for x in args.grid.lower().split("x"))
     meta = DiTAttnMetadata(grid=grid, num_heads=heads, head_dim=dim, step_index=40, num_steps=50, num_layers=30)
     gen = torch.Generator().manual_seed(0)
     shape = (1, meta.seq_len, heads, dim)
@@ -103,7 +107,7 @@ def main() -> None:
         record(name, bench(fn, device))
 
     if "vsa" in only:
-        run_vsa(q, k, v, meta, scale, device, gen, record)
+        run_vsa(q, k, v, meta, scale, device, gen, record, results, args)
     if "vmoba" in only:
         run_vmoba(q, k, v, meta, scale, device, gen, record)
     if "svg2" in only:
@@ -152,7 +156,7 @@ def profile_calls(fn, device: torch.device, calls: int) -> dict:
     return out
 
 
-def run_vsa(q, k, v, meta, scale, device, gen, record) -> None:
+def run_vsa(q, k, v, meta, scale, device, gen, record, results, args) -> None:
     vsa = VideoSparseAttentionBackend({"sparsity": 0.875})
     plan = vsa_plan(q, k, meta, 0.875, scale)
     qs, ks, vs = (to_order(t, plan.order) for t in (q, k, v))
@@ -165,7 +169,9 @@ def run_vsa(q, k, v, meta, scale, device, gen, record) -> None:
     record("video_sparse_attn 0.875: whole call", bench(lambda: vsa.forward(q, k, v, scale=scale, meta=meta),
                                                         device), **extra)
     upstream_vsa(qs, ks, vs, plan, out, scale, device, record)
-
+    if args.profile:
+        results["vsa_whole_call_profile"] = profile_calls(lambda: vsa.forward(q, k, v, scale=scale, meta=meta),
+                                                          device, args.profile)
 
 
 def run_vmoba(q, k, v, meta, scale, device, gen, record) -> None:

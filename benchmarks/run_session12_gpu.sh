@@ -13,6 +13,7 @@
 #   fa4 three calls, carries [".whl/fa/c1"], [".whl/fa/c2_ab"], [".whl/fa/c2_ac"] (FA4 + diffusers on one machine), then
 #   G  tiny-shapes GPU test for vmoba and SVG2; one Wan2.1-1.3B step with each sparse backend (bench_sparse_video.py).
 #   H  no carry: paged decode (bf16, fp8 per-layer, fp8 per-token) with K/V by TMA against the default, pages 64/128.
+#   I  no carry: VSA at 18x48x80 (issue 11's canvas) and 21x30x52, whole call profiled.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -115,6 +116,14 @@ H)  # paged decode with K/V by TMA (DecodeConfig.tma; pages of whole 64-key tile
   timeout 300 python3 benchmarks/bench_fp8_kv_decode.py --output "$OUT/decode_tma.json" --pages 64,128 --tma --no-store \
     > "$OUT/decode_tma.txt" 2>&1
   echo "decode tma rc=$?"; tail -30 "$OUT/decode_tma.txt"
+  ;;
+I)  # VSA on issue 11's own canvas (18x48x80) and on Wan 480p, with a profile of the whole call
+  export PYTHONPATH=src
+  for g in 18x48x80 21x30x52; do
+    timeout 120 python3 benchmarks/bench_sparse_backends.py --only vsa --grid $g --profile 3 --out "$OUT/vsa_$g.json" \
+      > "$OUT/vsa_$g.txt" 2>&1
+    echo "vsa $g rc=$?"; tail -4 "$OUT/vsa_$g.txt"
+  done
   ;;
 fa4)  # one of FA4's three carries (.whl/fa/c1, c2_ab, c2_ac; any order, one warm machine): stash it, set up once all are here
   mkdir -p /tmp/parts
