@@ -14,6 +14,7 @@
 #   G  tiny-shapes GPU test for vmoba and SVG2; one Wan2.1-1.3B step with each sparse backend (bench_sparse_video.py).
 #   H  no carry: paged decode (bf16, fp8 per-layer, fp8 per-token) with K/V by TMA against the default, pages 64/128.
 #   I  no carry: VSA at 18x48x80 (issue 11's canvas) and 21x30x52, whole call profiled.
+#   J  no carry: the block-means pooling kernel and VSA's unsorted top-k: GPU tests; VSA and VMoBA at both canvases.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -123,6 +124,17 @@ I)  # VSA on issue 11's own canvas (18x48x80) and on Wan 480p, with a profile of
     timeout 120 python3 benchmarks/bench_sparse_backends.py --only vsa --grid $g --profile 3 --out "$OUT/vsa_$g.json" \
       > "$OUT/vsa_$g.txt" 2>&1
     echo "vsa $g rc=$?"; tail -4 "$OUT/vsa_$g.txt"
+  done
+  ;;
+J)  # VSA / VMoBA pooling kernel and VSA's unsorted top-k: GPU tests, then the benches of stage I and VMoBA
+  export PYTHONPATH=src
+  timeout 120 python3 -m pytest -q -m gpu tests/test_sparse_backends.py tests/test_block_sparse_attention.py \
+    tests/gpu/test_kmeans_assign_gpu.py -k "not fa4" > "$OUT/tests_j.txt" 2>&1
+  echo "sparse GPU tests rc=$?: $(tail -1 "$OUT/tests_j.txt")"
+  for g in 18x48x80 21x30x52; do
+    timeout 120 python3 benchmarks/bench_sparse_backends.py --only vsa --only vmoba --grid $g --out "$OUT/vsa_vmoba_$g.json" \
+      > "$OUT/vsa_vmoba_$g.txt" 2>&1
+    echo "vsa+vmoba $g rc=$?"; tail -9 "$OUT/vsa_vmoba_$g.txt"
   done
   ;;
 fa4)  # one of FA4's three carries (.whl/fa/c1, c2_ab, c2_ac; any order, one warm machine): stash it, set up once all are here

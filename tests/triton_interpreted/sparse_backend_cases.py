@@ -76,3 +76,21 @@ def test_gather_rows_equals_index_select(n_src, width, n):
     rows = torch.randint(0, n_src, (n,), generator=g)
     got = gather_rows(src, rows)
     assert got.shape == (n, width) and torch.equal(got, src.index_select(0, rows))
+
+
+@pytest.mark.parametrize(("grid", "box", "text", "block"), [((3, 6, 8), (2, 4, 4), 0, 16), ((5, 7, 9), (4, 4, 4), 3, 64),
+                                                            ((2, 3, 5), (1, 3, 5), 2, 16)])
+def test_block_means_kernel_equals_the_weighted_pooling(grid, box, text, block):
+    """VSA/VMoBA pooling's kernel: each block's mean over its real tokens only (padding repeats token 0 and is
+    skipped), partial last blocks and text blocks included; equal to the float32 weighted einsum of the CPU path."""
+    from sglx.attention.diffusion.sparse.tile_order import tile_order
+    from sglx.attention.diffusion.sparse.tiled import block_means, real_lengths
+    from sglx.attention.kernels.block_means import block_means_kernel, kernel_serves
+
+    order = tile_order(grid, box, text, True, block)
+    g = torch.Generator().manual_seed(block + text)
+    x = to_order(torch.randn(2, grid[0] * grid[1] * grid[2] + text, 3, 16, generator=g), order)
+    assert kernel_serves(x)
+    got = block_means_kernel(x, real_lengths(order), order.block)
+    want = block_means(x, order)  # CPU tensors: the einsum path
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)

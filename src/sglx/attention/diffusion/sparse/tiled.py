@@ -50,12 +50,26 @@ def pooling_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def real_lengths(order: TileOrder) -> torch.Tensor:
+    """int32 [num_blocks]: the real tokens at the start of every block (the rest of a block is padding)."""
+    return real_slots(order).sum(1).to(torch.int32)
+
+
 def block_means(x: torch.Tensor, order: TileOrder, heads: int | None = None) -> torch.Tensor:
     """Mean of the real tokens of every block: x [B, slots, Hx, D] in tile order -> [B, H, num_blocks, D].
 
-    `heads` repeats grouped key/value heads to the query heads (GQA)."""
+    `heads` repeats grouped key/value heads to the query heads (GQA). Half-precision CUDA inputs go through one
+    Triton kernel that reads each block's real rows once (sglx.attention.kernels.block_means); the rest (CPU,
+    float32/64 tests) through a weighted einsum in `pooling_dtype`."""
     b, slots, hx, d = x.shape
     nb, block = order.num_blocks, order.block
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from sglx.attention.kernels.block_means import block_means_kernel, kernel_serves
+
+        if kernel_serves(x):
+            means = block_means_kernel(x, on_device(real_lengths(order), x.device), block)
+            return means if heads is None or heads == hx else means.repeat_interleave(heads // hx, dim=1)
     weights = on_device(real_slots(order), x.device).to(pooling_dtype(x))  # [nb, block]
     padded = x.to(weights.dtype)
     if nb * block != slots:  # (tile orders fill whole blocks: usually no copy)
@@ -67,4 +81,4 @@ def block_means(x: torch.Tensor, order: TileOrder, heads: int | None = None) -> 
     return means
 
 
-__all__ = ["block_means", "from_order", "on_device", "pooling_dtype", "real_slots", "to_order"]
+__all__ = ["block_means", "from_order", "on_device", "pooling_dtype", "real_lengths", "real_slots", "to_order"]

@@ -77,12 +77,14 @@ def vsa_layout(scores: torch.Tensor, order: TileOrder, sparsity: float) -> Block
     text_ids = torch.nonzero(text).squeeze(1)
     topk = compute_topk(sparsity, int(cubes.numel()))
     b, h, nb, _ = scores.shape
-    picked = cubes[scores.index_select(-1, cubes).topk(topk, dim=-1).indices]  # [B, H, nb, topk]
-    rows = torch.cat([picked, text_ids.expand(b, h, nb, -1)], -1).sort(-1).values
+    # unsorted top-k, then one int32 sort of the picked block ids (ascending lists): on the H100 at 18x48x80 the
+    # sorted top-k and an int64 sort took 0.30 + 0.55 ms of a 13 ms call (session 12 profile)
+    picked = cubes.to(torch.int32)[scores.index_select(-1, cubes).topk(topk, dim=-1, sorted=False).indices]
+    rows = torch.cat([picked, text_ids.to(torch.int32).expand(b, h, nb, -1)], -1).sort(-1).values
     counts = torch.full((b, h, nb), rows.shape[-1], dtype=torch.int32, device=device)
     if text_ids.numel():  # text rows attend every block
         rows = F.pad(rows, (0, nb - rows.shape[-1]), value=-1)
-        rows[:, :, text_ids] = torch.arange(nb, device=device)
+        rows[:, :, text_ids] = torch.arange(nb, device=device, dtype=torch.int32)
         counts[:, :, text_ids] = nb
     lengths = None if order.k_lengths is None else on_device(order.k_lengths, device)
     return BlockSparseLayout(order.block, order.block, order.slots, rows.to(torch.int32).contiguous(), counts,
