@@ -451,3 +451,18 @@ def test_graph_replay_replans_with_the_planner_alone_after_one_full_plan() -> No
     for other in (_GraphDecodeWrapper(tensor_cores=False), _GraphDecodeWrapper(graph=False)):
         remember_graph_plan(other, key)  # CUDA-core decode and eager wrappers plan in full
         assert not replan_graph_decode(other, indptr, lens, key) and not other._cached_module.calls
+
+
+def test_decode_queries_go_in_strided_prefill_queries_contiguous() -> None:
+    """FlashInfer's decode kernels read q through its token/head strides: a view of the fused qkv rows goes in as
+    it is (no copy); prefill paths and pools that rotate queries get contiguous tensors."""
+    from sglx.attention.llm.flashinfer import paged_query
+
+    qkv = torch.randn(5, (4 + 2 * 2) * 8)
+    q = qkv[:, :32].reshape(5, 4, 8)  # strides (64, 8, 1): not contiguous
+    plain = types.SimpleNamespace()
+    assert paged_query(plain, q, strided_ok=True).data_ptr() == q.data_ptr()
+    got = paged_query(plain, q)
+    assert got.is_contiguous() and torch.equal(got, q)
+    rotated = types.SimpleNamespace(rotate_query=lambda x: x * 2)
+    assert torch.equal(paged_query(rotated, q, strided_ok=True), q * 2)
