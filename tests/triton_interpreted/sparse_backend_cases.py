@@ -78,8 +78,8 @@ def test_gather_rows_equals_index_select(n_src, width, n):
     assert got.shape == (n, width) and torch.equal(got, src.index_select(0, rows))
 
 
-@pytest.mark.parametrize(("grid", "box", "text", "block"), [((3, 6, 8), (2, 4, 4), 0, 16), ((5, 7, 9), (4, 4, 4), 3, 64),
-                                                            ((2, 3, 5), (1, 3, 5), 2, 16)])
+@pytest.mark.parametrize(("grid", "box", "text", "block"), [
+    ((3, 6, 8), (2, 4, 4), 0, 16), ((5, 7, 9), (4, 4, 4), 3, 64), ((2, 3, 5), (1, 3, 5), 2, 16)])
 def test_block_means_kernel_equals_the_weighted_pooling(grid, box, text, block):
     """VSA/VMoBA pooling's kernel: each block's mean over its real tokens only (padding repeats token 0 and is
     skipped), partial last blocks and text blocks included; equal to the float32 weighted einsum of the CPU path."""
