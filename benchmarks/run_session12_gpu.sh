@@ -15,6 +15,7 @@
 #   H  no carry: paged decode (bf16, fp8 per-layer, fp8 per-token) with K/V by TMA against the default, pages 64/128.
 #   I  no carry: VSA at 18x48x80 (issue 11's canvas) and 21x30x52, whole call profiled.
 #   J  no carry: the block-means pooling kernel and VSA's unsorted top-k: GPU tests; VSA and VMoBA at both canvases.
+#   K  no carry: overlap scheduling on/off under torch.profiler (benchmarks/profile_overlap.py), embedded and 1B.
 set -u
 PART=${1:-help}
 OUT=${OUT:-/tmp/out}
@@ -136,6 +137,14 @@ J)  # VSA / VMoBA pooling kernel and VSA's unsorted top-k: GPU tests, then the b
       > "$OUT/vsa_vmoba_$g.txt" 2>&1
     echo "vsa+vmoba $g rc=$?"; tail -9 "$OUT/vsa_vmoba_$g.txt"
   done
+  ;;
+K)  # overlap scheduling on vs off under torch.profiler: the host's waits on the GPU per setting
+  export PYTHONPATH=src
+  timeout 150 python3 benchmarks/profile_overlap.py --output "$OUT/overlap_embedded.json" > "$OUT/overlap_embedded.txt" 2>&1
+  echo "embedded rc=$?"; grep -v "^USDT\|profiler_st" "$OUT/overlap_embedded.txt" | tail -8 | cut -c1-700
+  timeout 200 python3 benchmarks/profile_overlap.py --model-path llama-3.2-1b --dtype bfloat16 \
+    --output "$OUT/overlap_llama1b.json" > "$OUT/overlap_llama1b.txt" 2>&1
+  echo "llama-3.2-1b rc=$?"; grep -v "^USDT\|profiler_st" "$OUT/overlap_llama1b.txt" | tail -8 | cut -c1-700
   ;;
 fa4)  # one of FA4's three carries (.whl/fa/c1, c2_ab, c2_ac; any order, one warm machine): stash it, set up once all are here
   mkdir -p /tmp/parts
