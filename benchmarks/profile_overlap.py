@@ -26,23 +26,27 @@ WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "aten::item", "aten::_local_scalar_dense", "aten::to", "aten::copy_")
 
 
-def run(overlap: bool, prompts: list[str], params: dict, args) -> dict:
+def run(overlap: bool, prompts: list, params: dict, args) -> dict:
+    """prompts: text, or token-id lists for a dummy model without a tokenizer (`--model-path`)."""
     kw = {"dtype": args.dtype if args.device == "cuda" else "float32", "page_size": 16, "max_total_tokens": 262144,
           "disable_overlap_schedule": not overlap, "attention_backend": args.attention_backend}
     if args.model_path:
         kw.update(model_path=args.model_path, load_format="dummy")
     with Engine(device=args.device, **kw) as eng:
         sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-        eng.generate(prompts[:64], params)  # warm: graphs, kernels
+        def gen(batch: list) -> list:
+            return eng.generate(input_ids=batch, sampling_params=params) if args.model_path else eng.generate(
+                batch, params)
+        gen(prompts[:64])  # warm: graphs, kernels
         sync()
         t0 = time.perf_counter()
-        outs = eng.generate(prompts, params)
+        outs = gen(prompts)
         sync()
         plain_s = time.perf_counter() - t0
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            eng.generate(prompts, params)
+            gen(prompts)
             sync()
             prof_s = time.perf_counter() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)
@@ -67,7 +71,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a logic check of this script (no GPU timings)")
     args = ap.parse_args()
     rng = random.Random(5)
-    prompts = [make_example(rng, rng.randint(1, MAX_PAIRS))[0] for _ in range(args.num_prompts)]
+    if args.model_path:  # dummy weights and no tokenizer: random ids, 128-384 tokens
+        prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randint(128, 384))] for _ in range(args.num_prompts)]
+    else:
+        prompts = [make_example(rng, rng.randint(1, MAX_PAIRS))[0] for _ in range(args.num_prompts)]
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "runs": []}
