@@ -133,7 +133,8 @@ register(BackendSpec(
               "dim 64/128), masked reference elsewhere. Chunks are chosen per (head, query block) from the block's "
               "mean query; moba_select_mode threshold or topk, every upstream moba_threshold_type. Unset chunk "
               "sizes/top-k take FastVideo's Wan2.1-1.3B values (temporal 2 / top 3, spatial [3,4] / top 20, "
-              "st [4,6,4] / top 15) cut to the grid; any grid (edge chunks padded)."),
+              "st [4,6,4] / top 15) cut to the grid; any grid (edge chunks padded; on CUDA 64-token kernel blocks "
+              "where they pad a chunk by at most a third, so 4x6x4 chunks take 128 slots)."),
     factory="sglx.attention.diffusion.sparse.vmoba:VMoBABackend",
     config=(
         ConfigParam("temporal_chunk_size", "int", "Chunk size for temporal dimension."),
@@ -173,7 +174,9 @@ register(BackendSpec(
               "elsewhere; packed like the keys when that would add over half the sequence); keys are not, so a "
               "block holding several clusters is attended when any of them is kept: density is at least SVG2's. "
               "Centroid counts are capped at the latent token count; k-means warm-started per layer within a "
-              "generation. Defaults: Sparse-VideoGen's Wan scripts."),
+              "generation, on CUDA with sglx's Triton assignment and atomic-free centroid update "
+              "(SGLX_KMEANS_ASSIGN=torch / SGLX_KMEANS_UPDATE=torch fall back to torch's). Defaults: "
+              "Sparse-VideoGen's Wan scripts."),
     factory="sglx.attention.diffusion.sparse.svg2:SparseVideoGen2Backend",
     config=(
         ConfigParam("num_q_centroids", "int", "Number of query clusters (k-means centroids) per head.",
