@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
-from sglx.attention.kernels.common import LOG2E, dot, interpreted
+from sglx.attention.kernels.common import LOG2E, dot, interpreted, tma_rows_descriptor
 from sglx.errors import SglxError
 
 HEAD_DIMS = (64, 128)
@@ -246,14 +246,12 @@ def _head_major(t: torch.Tensor) -> bool:
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[tuple, tuple[int, int, int]]:
     """TMA descriptors of K and V ([block_n, D] boxes) and the kernel's row/column mapping (see the TMA kernel):
     head-major views are read in place; anything else goes through one contiguous [B * S, Hkv * D] copy at most."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     b, s, hkv, d = k.shape
     if _head_major(k) and _head_major(v) and k.stride() == v.stride():
-        rows = [t.transpose(1, 2).reshape(b * hkv * s, d) for t in (k, v)]
-        return tuple(TensorDescriptor(r, [b * hkv * s, d], [d, 1], [block_n, d]) for r in rows), (hkv * s, s, 0)
-    rows = [t.contiguous().view(b * s, hkv * d) for t in (k, v)]
-    return tuple(TensorDescriptor(r, [b * s, hkv * d], [hkv * d, 1], [block_n, d]) for r in rows), (s, 0, d)
+        rows = [t.transpose(1, 2).reshape(b * hkv * s, 1, d) for t in (k, v)]  # views: one head a row
+        return tuple(tma_rows_descriptor(r, block_n) for r in rows), (hkv * s, s, 0)
+    rows = [t.contiguous().view(b * s, hkv, d) for t in (k, v)]
+    return tuple(tma_rows_descriptor(r, block_n) for r in rows), (s, 0, d)
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,

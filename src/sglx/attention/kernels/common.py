@@ -35,6 +35,31 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether the device has the Tensor Memory Accelerator Triton's descriptors load through (NVIDIA SM90+)."""
+    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_rows_ok(x: torch.Tensor) -> bool:
+    """x [R, H, D] can be read as [R, H * D] rows by a TMA descriptor with [rows, D] boxes: D a power of two up to
+    256 (a box's limit), heads packed, unit last stride, a 16-byte aligned base and row stride, at least one row."""
+    if x.dim() != 3:
+        return False
+    r, _, d = x.shape
+    return (r > 0 and d == padded_dim(d) and d <= 256 and x.stride(2) == 1 and x.stride(1) == d
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
+
+
+def tma_rows_descriptor(x: torch.Tensor, block_rows: int):
+    """A host-side TMA descriptor over x [R, H, D] (`tma_rows_ok`) as [R, H * D] rows, [block_rows, D] boxes: head h
+    of row r is box column h * D."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    r, h, d = x.shape
+    rows = x.as_strided((r, h * d), (x.stride(0), 1))
+    return TensorDescriptor(rows, [r, h * d], [x.stride(0), 1], [block_rows, d])
+
+
 @functools.lru_cache(maxsize=8)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (CUDA/ROCm) the split heuristic fills; a small fixed number elsewhere."""

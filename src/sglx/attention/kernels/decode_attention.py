@@ -25,11 +25,14 @@ import triton.language as tl
 from sglx.attention.kernels.common import (
     LOG2E,
     dot,
+    has_tma,
     kv_format,
     kv_tile_to_compute,
     online_softmax_step,
     padded_dim,
     scaled_softmax_step,
+    tma_rows_descriptor,
+    tma_rows_ok,
 )
 
 MAX_SPLITS_CAP = 64
@@ -283,28 +286,13 @@ def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool) -> tupl
 
 
 def _tma_ok(config: DecodeConfig, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int, block_n: int,
-            window: int, dim: int, dim_v: int, interpret: bool) -> bool:
+            window: int, interpret: bool) -> bool:
     """Whether stage 1 may load K/V tiles by TMA: asked for, every tile one page's consecutive slots (page size a
-    multiple of block_n, no window: split starts stay tile-aligned), power-of-two head dims, packed heads, 16-byte
-    aligned rows, and a device with TMA (or the interpreter)."""
-    if not config.tma or window or page_size % block_n or dim != padded_dim(dim) or dim_v != padded_dim(dim_v):
+    multiple of block_n, no window: split starts stay tile-aligned), pool rows a descriptor can read
+    (`tma_rows_ok`), and a device with TMA (or the interpreter)."""
+    if not config.tma or window or page_size % block_n or not (tma_rows_ok(k_buffer) and tma_rows_ok(v_buffer)):
         return False
-    for buf, d in ((k_buffer, dim), (v_buffer, dim_v)):
-        if (buf.dim() != 3 or buf.stride(2) != 1 or buf.stride(1) != d or buf.data_ptr() % 16
-                or (buf.stride(0) * buf.element_size()) % 16):
-            return False
-    if interpret:
-        return True
-    return k_buffer.is_cuda and not torch.version.hip and torch.cuda.get_device_capability(k_buffer.device)[0] >= 9
-
-
-def _pool_descriptor(buf: torch.Tensor, block_n: int):
-    """A TMA descriptor over a pool buffer [slots, Hkv, D] as [slots, Hkv * D] rows, [block_n, D] boxes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    rows, h, d = buf.shape
-    flat = buf.as_strided((rows, h * d), (buf.stride(0), 1))
-    return TensorDescriptor(flat, [rows, h * d], [buf.stride(0), 1], [block_n, d])
+    return interpret or has_tma(k_buffer.device)
 
 
 def decode_attention(
@@ -354,9 +342,9 @@ def decode_attention(
     merge_here = semaphores is not None and bs <= config.merge_max_batch
     if merge_here and semaphores.numel() < (need := semaphore_count(bs, hq, hkv)):
         raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {need}")
-    tma = _tma_ok(config, k_buffer, v_buffer, page_size, block_n, window, dim, dim_v, interpret)
-    k_arg, v_arg = (_pool_descriptor(k_buffer, block_n), _pool_descriptor(v_buffer, block_n)) if tma else (k_buffer,
-                                                                                                         v_buffer)
+    tma = _tma_ok(config, k_buffer, v_buffer, page_size, block_n, window, interpret)
+    k_arg, v_arg = ((tma_rows_descriptor(k_buffer, block_n), tma_rows_descriptor(v_buffer, block_n)) if tma
+                    else (k_buffer, v_buffer))
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
         q, k_arg, v_arg, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
         k_scales, v_scales, qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,

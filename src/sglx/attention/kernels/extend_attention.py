@@ -20,9 +20,12 @@ from sglx.attention.kernels.common import (
     LOG2E,
     dot,
     fp8_bits_to_value,
+    has_tma,
     kv_format,
     online_softmax_step,
     padded_dim,
+    tma_rows_descriptor,
+    tma_rows_ok,
 )
 
 
@@ -209,25 +212,7 @@ def _tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> 
         return False
     if interpret:
         return bool(config.tma)  # the interpreter emulates descriptors: the CPU tests cover the indexing
-    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_ok(x: torch.Tensor) -> bool:
-    """x [T, Hkv, D] (a view of the fused qkv rows) can be a [T, Hkv * D] TMA descriptor of [block_n, D] boxes:
-    D a power of two up to 256, heads packed, unit last stride, 16-byte aligned base and row stride."""
-    t, _, d = x.shape
-    size = x.element_size()
-    return (t > 0 and d == padded_dim(d) and d <= 256 and x.stride(2) == 1 and x.stride(1) == d
-            and x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0)
-
-
-def _ext_descriptor(x: torch.Tensor, block_n: int):
-    """A host-side TMA descriptor over x [T, Hkv, D] as [T, Hkv * D] rows with x's row stride."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    t, h, d = x.shape
-    rows = x.as_strided((t, h * d), (x.stride(0), 1))
-    return TensorDescriptor(rows, [t, h * d], [x.stride(0), 1], [block_n, d])
+    return has_tma(device)
 
 
 def extend_attention(
@@ -258,7 +243,7 @@ def extend_attention(
     if ext:
         k_ext = k_ext.reshape(num_tokens, hkv, -1)
         v_ext = v_ext.reshape(num_tokens, hkv, -1)
-    tma = ext and _tma_wanted(config, q.device, interpret) and all(_tma_ok(t) for t in (k_ext, v_ext))
+    tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret,
                                                       ext and prefix_tokens <= num_tokens, tma)
     softcap = logit_cap > 0
@@ -272,7 +257,8 @@ def extend_attention(
     grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
     if not ext:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
-    k_ext_arg, v_ext_arg = (_ext_descriptor(k_ext, block_n), _ext_descriptor(v_ext, block_n)) if tma else (k_ext, v_ext)
+    k_ext_arg, v_ext_arg = ((tma_rows_descriptor(k_ext, block_n), tma_rows_descriptor(v_ext, block_n)) if tma
+                            else (k_ext, v_ext))
     _extend_kernel[grid](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext_arg, v_ext_arg, k_scales, v_scales,
         qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),

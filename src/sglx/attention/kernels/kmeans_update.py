@@ -4,8 +4,8 @@ torch's update is two `index_add_`s into [P * C] rows: float atomics that pile o
 heads x 32,760 points into 300 or 1,000 clusters), 0.36 ms a call on the H100 (session 12 profile; four calls in
 a warm SVG2 layer), and in no fixed order. Here the points are sorted by (problem, cluster) once (a radix sort of
 int64 keys), and one program per cluster sums its points' rows in a fixed order (in x's float32 or float64) and
-divides: deterministic,
-no atomics, every point row read once. An empty cluster keeps its centroid, as in the torch update.
+divides: deterministic, no atomics, every point row read once. An empty cluster keeps its centroid, as in the torch
+update.
 """
 
 from __future__ import annotations

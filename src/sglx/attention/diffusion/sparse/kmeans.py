@@ -45,10 +45,14 @@ def strided_init(x: torch.Tensor, clusters: int) -> torch.Tensor:
     return x.index_select(1, picks).clone()
 
 
+def _kernel_on(env: str) -> bool:
+    """A k-means Triton kernel's switch: on unless its variable names another implementation (e.g. "torch")."""
+    return os.environ.get(env, "triton").strip().lower() == "triton"
+
+
 def fused_assign(xs: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The Triton assignment kernel where it serves these scores (CUDA, fp16/bf16), else None."""
-    if (not xs.is_cuda or xs.dtype not in (torch.float16, torch.bfloat16)
-            or os.environ.get(ASSIGN_ENV, "triton").strip().lower() != "triton"):
+    if not xs.is_cuda or xs.dtype not in (torch.float16, torch.bfloat16) or not _kernel_on(ASSIGN_ENV):
         return None
     try:
         from sglx.attention.kernels.kmeans_assign import fused_assign_supported, nearest_centroid
@@ -59,7 +63,7 @@ def fused_assign(xs: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], tor
 
 def fused_update(x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The atomic-free Triton centroid update where it serves these points (CUDA float32/64), else None."""
-    if not x.is_cuda or os.environ.get(UPDATE_ENV, "triton").strip().lower() != "triton":
+    if not x.is_cuda or not _kernel_on(UPDATE_ENV):
         return None
     try:
         from sglx.attention.kernels.kmeans_update import segment_update, segment_update_supported
