@@ -66,13 +66,13 @@ VARIANTS = [
 
 
 def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cudnn_ms: float,
-                variants: list[tuple[str, str, DecodeConfig]] = VARIANTS) -> list[dict]:
+                variants: list[tuple[str, str, DecodeConfig]] = VARIANTS, splits: int = 0) -> list[dict]:
     """Every variant of one pool kind on the same pool, indices, queries and scratch (one process, one shape)."""
     kv_indptr, kv_indices, slots = paged_indices(BS, CTX, page, seed=page)
     loc = kv_indices.long()
     flat_k = k.transpose(1, 2).reshape(-1, HKV, DIM)
     flat_v = v.transpose(1, 2).reshape(-1, HKV, DIM)
-    splits = choose_num_kv_splits(BS, HKV, CTX, num_sms(DEV))
+    splits = splits or choose_num_kv_splits(BS, HKV, CTX, num_sms(DEV))  # 0: the engine's policy
     mid_o = torch.empty(BS, HQ, splits, DIM, device=DEV)
     mid_lse = torch.empty(BS, HQ, splits, device=DEV)
     rows, per_layer_ms = [], 0.0
@@ -130,7 +130,7 @@ def decode_rows(page: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def decode_line(r: dict) -> str:
     """One summary line (the GPU session script greps lines starting with "page")."""
-    head = f"page {r['page']:2d} {r['kv']:26s} {r['variant']:22s} "
+    head = f"page {r['page']:2d} splits {r['splits']} {r['kv']:26s} {r['variant']:22s} "
     if "ms" not in r:
         return head + r.get("error", "")
     extra = f"  +rotation {r['ms_with_query_rotation']:.4f} ms ({r['with_rotation_over_cudnn_bf16']:.3f}x)" \
@@ -240,6 +240,8 @@ def main() -> None:
                     help="recall rows that would end later than this many seconds after start are skipped")
     ap.add_argument("--device", default="cuda", help="cpu: recall only, through torch_native")
     ap.add_argument("--pages", default="1,16", help="comma-separated page sizes of the decode timings")
+    ap.add_argument("--splits", default="0",
+                    help="comma-separated KV split counts the decode timings run at (0: the engine's policy)")
     ap.add_argument("--tma", action="store_true",
                     help="time each pool's default launch and K/V by TMA (DecodeConfig.tma) instead of the variants")
     args = ap.parse_args()
@@ -267,8 +269,8 @@ def main() -> None:
                          (("default", DecodeConfig()), ("tma", DecodeConfig(tma=True)),
                           ("tma, num_stages 4", DecodeConfig(tma=True, num_stages=4)),
                           ("tma, block_n 128", DecodeConfig(tma=True, block_n=128)))]
-        for page in (int(x) for x in args.pages.split(",")):
-            result["decode"] += decode_rows(page, q, k, v, cudnn, variants)
+        for page, splits in ((int(x), int(n)) for x in args.pages.split(",") for n in args.splits.split(",")):
+            result["decode"] += decode_rows(page, q, k, v, cudnn, variants, splits)
             out.write_text(json.dumps(result, indent=1))  # after every section: a timeout keeps what was measured
         result["decode_seconds"] = round(time.monotonic() - started, 1)
         del k, v

@@ -11,6 +11,7 @@ import argparse
 import json
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from sglx.llm.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from sglx.llm.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear
 
 DEV = torch.device("cuda")
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-rows", default="1", help="row counts the --sweep configs run at")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(DEV)
     results: dict = dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
@@ -47,9 +49,13 @@ def main() -> None:
             x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
             ref = F.linear(x, w)
             cublas = median_ms(lambda x=x, w=w: F.linear(x, w))
-            configs = [SkinnyConfig()] + (SWEEP if args.sweep and rows == 1 else [])
+            # above MAX_ROWS only configs with rows-wide blocks run (block_m = the next power of two)
+            wide = max(16, triton.next_power_of_2(rows))
+            sweep = SWEEP if args.sweep and str(rows) in args.sweep_rows.split(",") else []
+            configs = [replace(c, block_m=wide) if rows > MAX_ROWS else c for c in [SkinnyConfig(), *sweep]]
             for cfg in configs:
-                row = dict(shape=name, n=n, k=k, rows=rows, config=cfg.__dict__, default=cfg == SkinnyConfig(),
+                row = dict(shape=name, n=n, k=k, rows=rows, config=cfg.__dict__,
+                           default=replace(cfg, block_m=None) == SkinnyConfig(),
                            cublas_ms=cublas, cublas_gb_s=n * k * 2 / cublas / 1e6)
                 try:
                     out = skinny_linear(x, w, config=cfg)

@@ -228,16 +228,17 @@ def test_model_with_the_fused_path_forced_on_cpu_equals_the_torch_path(tmp_path,
         assert [x.argmax(-1).tolist() for x in fused[:-1]] == fed
 
 
-@pytest.mark.parametrize("rows,n,k,bias", [(1, 40, 96, False), (3, 33, 64, True), (16, 64, 80, False),
-                                           (7, 17, 32, True)])
+@pytest.mark.parametrize("rows,n,k,bias,block_m", [(1, 40, 96, False, None), (3, 33, 64, True, None),
+                                                   (16, 64, 80, False, None), (7, 17, 32, True, None),
+                                                   (20, 24, 48, False, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16])  # the interpreter's tl.dot mishandles bf16; the GPU tier runs bf16
-def test_skinny_gemm_matches_float64(rows, n, k, bias, dtype):
-    from sglx.llm.kernels.skinny_gemm import skinny_linear
+def test_skinny_gemm_matches_float64(rows, n, k, bias, block_m, dtype):
+    from sglx.llm.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
     x = _randn(rows, k, dtype=dtype, seed=1)
     w = _randn(n, k, dtype=dtype, seed=2, scale=0.2)
     b = _randn(n, dtype=dtype, seed=3) if bias else None
-    got = skinny_linear(x, w, b, interpret=True)
+    got = skinny_linear(x, w, b, config=SkinnyConfig(block_m=block_m), interpret=True)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, n)
     # float32 accumulation, one rounding to the dtype at the end

@@ -90,7 +90,12 @@ def test_fp8_encoding_rounds_ties_to_even_at_every_binade():
 def test_num_kv_splits_fill_the_gpu_but_keep_splits_long():
     assert choose_num_kv_splits(1, 8, 4096, 132, DecodeConfig(min_chunk=256)) == 16  # limited by min_chunk
     assert choose_num_kv_splits(1, 8, 1024, 132) == 16  # default min_chunk: 64 keys (one tile)
-    assert choose_num_kv_splits(64, 8, 4096, 132) == 2  # 512 rows already nearly fill 4 waves
+    # 512 rows = 3.9 per SM: one split, no merge (the H100 sweeps); without that rule, 2 (4 waves)
+    assert choose_num_kv_splits(64, 8, 4096, 132) == 1
+    assert choose_num_kv_splits(64, 8, 4096, 132, DecodeConfig(one_split_rows_per_sm=0)) == 2
+    assert choose_num_kv_splits(64, 8, 4096, 132, DecodeConfig(one_split_rows_per_sm=4.0)) == 2
+    assert choose_num_kv_splits(24, 8, 4096, 132) == 1  # 1.45 per SM
+    assert choose_num_kv_splits(16, 8, 4096, 132) == 5  # 0.97 per SM: splits fill 4 waves
     assert choose_num_kv_splits(256, 8, 4096, 132) == 1
     assert choose_num_kv_splits(1, 1, 10**6, 132) == 64  # capped
     assert choose_num_kv_splits(4, 8, 100, 132) == 2
@@ -106,7 +111,27 @@ DECODE_CASES = [
     (16, 4, 2, 64, torch.float32, "fp8_e4m3", (0.5, 2.0), None, 0.0, 4),
     (1, 6, 2, 64, torch.float16, "fp8_e5m2", (1.0, 0.7), 10, 6.0, 4),
     (16, 2, 1, 256, torch.float32, "auto", (1.0, 1.0), None, 0.0, 2),
+    # one split: stage 1 writes the output itself, with or without semaphores
+    (16, 8, 2, 64, torch.float32, "auto", (1.0, 1.0), None, 0.0, 1),
+    (1, 4, 2, 64, torch.float16, "fp8_e4m3", (0.5, 2.0), 20, 5.0, 1),
 ]
+
+
+def test_one_split_writes_the_output_without_scratch_or_a_second_kernel():
+    """max_splits 1: the partials scratch stays untouched (NaN) and no semaphore is needed."""
+    lens = [5, 40]
+    cache = make_paged_cache(lens, 1, 2, 64, torch.float32, seed=9)
+    kv_indptr, kv_indices = _indices(cache, lens)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    out = torch.full((2, 4, 64), float("nan"))
+    mid_o = torch.full((2, 4, 1, 64), float("nan"))
+    mid_lse = torch.full((2, 4, 1), float("nan"))
+    decode_attention(q, cache.pool.k_buffer[0], cache.pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
+                     0.125, config=DecodeConfig(min_chunk=16), interpret=True)
+    assert mid_o.isnan().all() and mid_lse.isnan().all()
+    for i, n in enumerate(lens):
+        ref = reference_attention(q[i:i + 1], cache.keys[i], cache.values[i], torch.tensor([n - 1]), 0.125, None, 0.0)
+        assert (out[i:i + 1].double() - ref).abs().max().item() <= TOL[torch.float32]
 
 
 def _poison_page_tails(cache, lens: list[int], page: int) -> None:

@@ -50,6 +50,11 @@ class DecodeConfig:
     # 256 left 8 heads x 2 splits of 4 dependent tiles each, ~8 us per layer for 512 keys)
     min_chunk: int = 64
     waves: int = 4  # stage-1 programs aimed at per SM when choosing the number of splits
+    # one split (stage 1 writes the output, no merge) once batch x KV heads reaches this many per SM. H100,
+    # Hq32/Hkv8, page 128, contexts 544 / 4096 (benchmarks/results/sweep_decode_splits*_h100_s13.json): B64 (3.9
+    # per SM) 66.7 / 369.6 us against 85.5 / 376.2 for the 2 splits + stage-2 merge that `waves` alone gave; B32
+    # (1.9) 41.2 / 194.0 against 3 splits' 48.6 / 210.3; B24 (1.45) 34.7 / 158.7 against 41.6 / 189.4
+    one_split_rows_per_sm: float = 1.4
     # fp8 KV only: "cast" (Triton's cast; the compiler reads the transposed 8-bit V tile from shared
     # memory one byte at a time), "ptx_v" / "ptx_kv" (inline PTX converts V, or K and V, in registers to
     # float16; needs sm_89+). None: ptx_v where the device has the instruction, else cast. H100 sweep
@@ -85,6 +90,9 @@ def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int, sms: 
     if batch_size == 0:
         return 1
     rows = batch_size * kv_heads
+    one_split = getattr(config, "one_split_rows_per_sm", 0.0)  # MLA's config has its own rule (mla_num_splits)
+    if one_split and rows >= one_split * sms:
+        return 1
     by_occupancy = triton.cdiv(config.waves * sms, rows)
     by_length = triton.cdiv(max(max_seq_len, 1), config.min_chunk)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS_CAP))
@@ -339,14 +347,16 @@ def decode_attention(
     window = int(sliding_window or 0)
     fmt = kv_format(fp8_dtype)
     ieee = q.dtype == torch.float32
-    merge_here = semaphores is not None and bs <= config.merge_max_batch
-    if merge_here and semaphores.numel() < (need := semaphore_count(bs, hq, hkv)):
+    # one split: stage 1 writes the output (its only split is final); no semaphore is touched then
+    merge_here = max_splits == 1 or (semaphores is not None and bs <= config.merge_max_batch)
+    if merge_here and semaphores is not None and semaphores.numel() < (need := semaphore_count(bs, hq, hkv)):
         raise ValueError(f"semaphores hold {semaphores.numel()} entries; this launch needs {need}")
     tma = _tma_ok(config, k_buffer, v_buffer, page_size, block_n, window, interpret)
     k_arg, v_arg = ((tma_rows_descriptor(k_buffer, block_n), tma_rows_descriptor(v_buffer, block_n)) if tma
                     else (k_buffer, v_buffer))
     _decode_stage1[(hkv * head_blocks, bs, max_splits)](
-        q, k_arg, v_arg, kv_indptr, kv_indices, mid_o, mid_lse, out, semaphores if merge_here else mid_lse,
+        q, k_arg, v_arg, kv_indptr, kv_indices, mid_o, mid_lse, out,
+        semaphores if merge_here and semaphores is not None else mid_lse,
         k_scales, v_scales, qk_scale, float(logit_cap), float(v_scale), window, max_splits, config.min_chunk,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_scales.stride(0), v_scales.stride(0),

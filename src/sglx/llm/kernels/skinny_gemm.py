@@ -32,6 +32,7 @@ class SkinnyConfig:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    block_m: int | None = None  # rows per program (a power of two >= 16) = the most rows it takes; None: MAX_ROWS
 
 
 @triton.jit
@@ -82,8 +83,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], weight.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    block_m = config.block_m or MAX_ROWS
+    if m > block_m:
+        raise ValueError(f"skinny_linear takes at most {block_m} rows, got {m}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
@@ -92,7 +94,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_n, block_k, warps, stages = _launch(n, k, num_sms(x.device), config, interpret)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=warps, num_stages=stages,
     )
     return y.reshape(*lead, n)
