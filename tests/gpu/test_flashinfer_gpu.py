@@ -272,6 +272,29 @@ def test_engine_greedy_tokens_equal_transformers(recall_examples, name, page):
     assert [_strip(r["output_ids"], eos) for r in second] == want
 
 
+def test_hybrid_triton_prefill_flashinfer_decode_replays_prefill_graphs(recall_examples):
+    """The hybrid pair gets the prefill backend's prefill graphs: single-request prefills (one by one, a radix
+    hit in the second round) replay them, decode replays FlashInfer's graphs, and the answers are transformers'."""
+    from sglx.llm.embedded.task import VALUE_LEN
+    from sglx.llm.engine import Engine
+
+    path, prompts, refs, eos = recall_examples
+    params = {"max_new_tokens": VALUE_LEN + 2, "temperature": 0.0}
+    with Engine(model_path=path, dtype="float16", device="cuda", prefill_attention_backend="triton",
+                decode_attention_backend="flashinfer", page_size=16, max_total_tokens=16384,
+                cuda_graph_max_bs=16) as eng:
+        assert eng.info["cuda_graph"] is True and eng.info["prefill_cuda_graph"] is True, eng.info
+        rounds = [[eng.generate(input_ids=[p], sampling_params=[params])[0] for p in prompts] for _ in range(2)]
+        prefill_replays = eng.runner.prefill_graph_runner.replays
+        decode_replays = eng.runner.graph_runner.replays
+        limit = eng.info["prefill_cuda_graph_max_tokens"]
+    expected = 2 * sum(len(p) <= limit for p in prompts)  # longer prompts prefill eagerly
+    assert expected > 0 and prefill_replays == expected and decode_replays > 0
+    want = [_strip(r, eos) for r in refs]
+    for got in rounds:
+        assert [_strip(r["output_ids"], eos) for r in got] == want
+
+
 def test_doctor_check_passes_on_this_gpu():
     from sglx import platform
     from sglx.attention.checks import run_check

@@ -20,6 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by t
 
 from llm_test_utils import PagedKVHarness, load_hf_model, make_tiny_model  # noqa: E402
 from sglx.attention.llm.base import BackendContext  # noqa: E402
+from sglx.attention.llm.hybrid import HybridAttentionBackend  # noqa: E402
+from sglx.attention.llm.torch_native import TorchNativeBackend  # noqa: E402
 from sglx.attention.llm.triton import TritonBackend  # noqa: E402
 from sglx.llm.cuda_graph_runner import GraphTarget  # noqa: E402
 from sglx.llm.forward_batch import ForwardMode  # noqa: E402
@@ -29,14 +31,23 @@ from sglx.llm.prefill_graph_runner import PrefillGraphPlan, PrefillGraphRunner  
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
-def _triton_harness(model, page_size: int) -> PagedKVHarness:
+def _triton_harness(model, page_size: int, hybrid: bool = False) -> PagedKVHarness:
+    """Triton for every step, or (hybrid) triton prefill + torch_native decode over the same pools."""
     h = PagedKVHarness(model, page_size=page_size, max_context=128, seed=3)
     cfg = model.config
     ctx = BackendContext(device=torch.device("cpu"), dtype=torch.float32, num_q_heads=cfg.num_heads,
                          num_kv_heads=h.kv_pool.num_kv_heads, head_dim=h.kv_pool.head_dim, page_size=page_size,
                          req_to_token_pool=h.req_pool, token_kv_pool=h.kv_pool)
-    h.backend = TritonBackend(ctx)
+    triton = TritonBackend(ctx)
+    h.backend = HybridAttentionBackend(ctx, triton, TorchNativeBackend(ctx)) if hybrid else triton
     return h
+
+
+def test_a_hybrid_pair_has_prefill_graphs_when_its_prefill_backend_does(tiny):
+    h = _triton_harness(tiny[0], 1)
+    ctx = h.backend.ctx
+    assert HybridAttentionBackend(ctx, TritonBackend(ctx), TorchNativeBackend(ctx)).supports_prefill_cuda_graph
+    assert not HybridAttentionBackend(ctx, TorchNativeBackend(ctx), TritonBackend(ctx)).supports_prefill_cuda_graph
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +57,11 @@ def tiny(tmp_path_factory):
     return model, load_hf_model(model_dir)
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["triton", "triton-prefill-torch-native-decode"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_static_prefill_step_matches_eager_triton_and_hf(tiny, page_size):
+def test_static_prefill_step_matches_eager_triton_and_hf(tiny, page_size, hybrid):
     model, hf = tiny
-    eager, graphed = _triton_harness(model, page_size), _triton_harness(model, page_size)
+    eager, graphed = _triton_harness(model, page_size), _triton_harness(model, page_size, hybrid)
     plan = PrefillGraphPlan(True, 64, (16, 32, 64), "test")
     runner = PrefillGraphRunner(GraphTarget(torch.device("cpu"), model, graphed.backend, graphed.req_pool,
                                             graphed.kv_pool), plan, capture=False)

@@ -139,7 +139,7 @@ class ModelRunner:
             self.cuda_graph = replace(self.cuda_graph, enabled=False, batch_sizes=(), why=why_not)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph: PrefillGraphPlan = prefill_graph_plan(
-            self.cuda_graph.enabled, self.cuda_graph.why, self.selection.label,
+            self.cuda_graph.enabled, self.cuda_graph.why, self.selection.prefill,
             bool(self.backend.supports_prefill_cuda_graph), config.cuda_graph_max_prefill_tokens,
             self.memory.context_length, self.tp.size)
         self.prefill_graph_runner: PrefillGraphRunner | None = None

@@ -12,7 +12,8 @@ real request's cache. Only request 0's last token reaches the LM head. Every per
 buffer; the attention backend rebuilds its indices from them inside the graph
 (`init_prefill_metadata_in_graph`), so nothing about the step is baked in but T.
 
-Only backends that declare `supports_prefill_cuda_graph` (triton) get these graphs; any other batch
+Only prefill backends that declare `supports_prefill_cuda_graph` (triton, also as the prefill half of a hybrid
+pair whose decode backend has graphs) get these graphs; any other batch
 (several requests, MIXED steps, more tokens than the largest bucket, all-token logits) prefills eagerly.
 """
 
@@ -67,8 +68,9 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
     elif not decode_graphs_on:
         why = decode_why
     elif not backend_supports:
-        why = (f"attention backend {backend_name} has no prefill graph support "
-               "(--attention-backend triton for both phases has it)")
+        why = (f"prefill attention backend {backend_name} has no prefill graph support (triton has it: "
+               "--attention-backend triton, or --prefill-attention-backend triton with any decode backend "
+               "that has CUDA graphs)")
     elif tp_size > 1:
         why = "tensor parallelism: prefill graphs are captured on one GPU only"
     if why:

@@ -2,7 +2,8 @@
 
 Both backends are built on the same pools, so K/V written by one is read by the other; each step's
 metadata is built only by the backend that runs it. This is what `--prefill-attention-backend X
---decode-attention-backend Y` turns into when X and Y differ.
+--decode-attention-backend Y` turns into when X and Y differ. Decode CUDA graphs follow the decode backend,
+prefill graphs (short single-request prefills, an EXTEND batch) the prefill backend.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ class HybridAttentionBackend(AttentionBackend):
         super().__init__(ctx)
         self.prefill = prefill
         self.decode = decode
-        # CUDA graphs capture decode only, so the decode backend decides.
+        # decode graphs capture DECODE steps (the decode backend decides), prefill graphs EXTEND steps (the
+        # prefill backend decides; the runner captures them only when decode graphs are on too)
         self.supports_cuda_graph = decode.supports_cuda_graph  # type: ignore[misc]
+        self.supports_prefill_cuda_graph = prefill.supports_prefill_cuda_graph  # type: ignore[misc]
 
     def _for(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode.is_decode else self.prefill
@@ -69,3 +72,13 @@ class HybridAttentionBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.get_cuda_graph_seq_len_fill_value()
+
+    def init_prefill_graph_state(self, buckets: list[int], qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor) -> None:
+        self.prefill.init_prefill_graph_state(buckets, qo_indptr, req_pool_indices, seq_lens)
+
+    def init_prefill_metadata_in_graph(self, bucket: int) -> None:
+        self.prefill.init_prefill_metadata_in_graph(bucket)
+
+    def init_prefill_metadata_replay(self, bucket: int) -> None:
+        self.prefill.init_prefill_metadata_replay(bucket)
