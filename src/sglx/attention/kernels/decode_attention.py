@@ -90,8 +90,7 @@ def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int, sms: 
     if batch_size == 0:
         return 1
     rows = batch_size * kv_heads
-    one_split = getattr(config, "one_split_rows_per_sm", 0.0)  # MLA's config has its own rule (mla_num_splits)
-    if one_split and rows >= one_split * sms:
+    if config.one_split_rows_per_sm and rows >= config.one_split_rows_per_sm * sms:
         return 1
     by_occupancy = triton.cdiv(config.waves * sms, rows)
     by_length = triton.cdiv(max(max_seq_len, 1), config.min_chunk)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_compute, online_softmax_step, padded_dim
-from sglx.attention.kernels.decode_attention import _split_range, choose_num_kv_splits
+from sglx.attention.kernels.decode_attention import DecodeConfig, _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
            "resolve_config", "wide_launch"]
@@ -86,7 +86,11 @@ def mla_num_splits(batch_size: int, heads: int, max_seq_len: int, sms: int, conf
     blocks = head_blocks(heads, config)
     if batch_size * blocks >= config.one_split_fill * sms:
         return 1
-    return choose_num_kv_splits(batch_size, blocks, max_seq_len, sms, config)  # type: ignore[arg-type]
+    # MLA's one-split rule is the one above (its programs are one per SM), so the MHA rule is off here;
+    # `config` is resolved (`resolve_config` sets waves)
+    mha = DecodeConfig(min_chunk=config.min_chunk, waves=config.waves,  # type: ignore[arg-type]
+                       one_split_rows_per_sm=0.0)
+    return choose_num_kv_splits(batch_size, blocks, max_seq_len, sms, mha)
 
 
 @triton.jit
