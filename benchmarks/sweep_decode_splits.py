@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from sglx.attention.kernels.common import num_sms
-from sglx.attention.kernels.decode_attention import (
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_triton_decode import paged_indices, sdpa_decode  # noqa: E402
+
+from sglx.attention.kernels.common import num_sms  # noqa: E402
+from sglx.attention.kernels.decode_attention import (  # noqa: E402
     DecodeConfig,
     choose_num_kv_splits,
     decode_attention,
@@ -32,16 +37,6 @@ from sglx.attention.kernels.decode_attention import (
 
 HQ, HKV, D = 32, 8, 128
 GRAPH_CONTEXT = 131072  # Llama-3.1-8B's max context: what the CUDA-graph split count is sized for
-
-
-def paged(bs: int, ctx: int, page: int, seed: int, dev: str):
-    gen = torch.Generator().manual_seed(seed)
-    per_req = -(-ctx // page)
-    order = torch.randperm(bs * per_req, generator=gen) + 1
-    slots = (order.view(bs, per_req, 1) * page + torch.arange(page)).view(bs, -1)[:, :ctx]
-    kv_indices = slots.reshape(-1).int().to(dev)
-    kv_indptr = (torch.arange(bs + 1, dtype=torch.int32) * ctx).to(dev)
-    return kv_indptr, kv_indices, (bs * per_req + 2) * page
 
 
 def tile_variants() -> list[tuple[str, DecodeConfig, int, bool]]:
@@ -57,7 +52,8 @@ def variants(bs: int, sms: int) -> list[tuple[str, DecodeConfig, int, bool]]:
     engine_splits = choose_num_kv_splits(bs, HKV, GRAPH_CONTEXT, sms)
     merged = DecodeConfig(merge_max_batch=1 << 20)
     return [
-        (f"engine ({engine_splits} splits, stage 2)", DecodeConfig(), engine_splits, True),
+        (f"engine policy ({engine_splits} splits; stage 2 only above one split and batch 8)", DecodeConfig(),
+         engine_splits, True),
         ("1 split, writes the output", merged, 1, True),
         ("2 splits, in-kernel merge", merged, 2, True),
         ("4 splits, in-kernel merge", merged, 4, True),
@@ -74,7 +70,7 @@ def time_page(bs: int, ctx: int, page: int, sms: int, q, k, v, ref, cudnn_ms: fl
               tiles: bool = False) -> dict:
     """Every variant on one paged copy of k/v, checked against cuDNN's output first."""
     kv_bytes = 2 * bs * HKV * ctx * D * 2
-    kv_indptr, kv_indices, n_slots = paged(bs, ctx, page, ctx + page, dev)
+    kv_indptr, kv_indices, n_slots = paged_indices(bs, ctx, page, seed=ctx + page)  # pages shuffled, 0 is padding
     k_buf = torch.zeros(n_slots, HKV, D, device=dev, dtype=torch.bfloat16)
     v_buf = torch.zeros_like(k_buf)
     k_buf[kv_indices.long()] = k.permute(0, 2, 1, 3).reshape(-1, HKV, D)
@@ -128,11 +124,10 @@ def main() -> None:
             k = torch.randn(bs, HKV, ctx, D, device=dev, dtype=torch.bfloat16, generator=gen)
             v = torch.randn(bs, HKV, ctx, D, device=dev, dtype=torch.bfloat16, generator=gen)
             q = torch.randn(bs, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
-            qg = q.view(bs, HKV, HQ // HKV, D)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                ref = torch.nn.functional.scaled_dot_product_attention(qg, k, v).reshape(bs, HQ, D).float()
-                cudnn_ms = do_bench(lambda qg=qg, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(qg, k, v),
-                                    warmup=50, rep=300, return_mode="median")
+                ref = sdpa_decode(q, k, v).float()
+                cudnn_ms = do_bench(lambda q=q, k=k, v=v: sdpa_decode(q, k, v), warmup=50, rep=300,
+                                    return_mode="median")
             for page in (int(p) for p in args.pages.split(",")):
                 results["cases"].append(time_page(bs, ctx, page, sms, q, k, v, ref, cudnn_ms, dev, args.tiles))
                 torch.cuda.empty_cache()
