@@ -113,6 +113,42 @@ def test_wide_launch_takes_fp8_latents(kv_cache_dtype, dtype):
         assert (out[i].double() - ref).abs().max().item() < (4e-3 if dtype == torch.float16 else 2e-5), i
 
 
+def test_split_query_halves_read_in_place_equal_the_concatenated_query():
+    """q_pe given apart (as the backend passes it: a slice of the projected q, and the latent half a transposed bmm
+    result) gives bitwise the output of the concatenated query; mismatched halves are refused."""
+    lens, heads, r, dr = [5, 40], 6, 32, 8
+    c = Latents(lens, 4, r, dr, torch.float32, seed=11)
+    for i, n in enumerate(lens):
+        c.store(i, 0, n)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    kv_indices = torch.zeros(sum(lens), dtype=torch.int32)
+    build_kv_indices(c.r2t.req_to_token, torch.tensor(c.rows), kv_indptr, kv_indices)
+    q_lat = torch.randn(heads, len(lens), r, generator=c.gen).transpose(0, 1)  # [bs, H, R], not contiguous
+    q_pe = torch.randn(len(lens), heads, 24 + dr, generator=c.gen)[..., 24:]  # a strided slice
+    outs = []
+    for args in ((torch.cat([q_lat, q_pe], -1), None), (q_lat, q_pe)):
+        out = torch.full((len(lens), heads, r), float("nan"))
+        mla_decode_attention(args[0], c.pool.kv_buffer[0], out, kv_indptr, kv_indices, torch.empty(2, heads, 3, r),
+                             torch.empty(2, heads, 3), 0.3, r, config=MLADecodeConfig(min_chunk=16), interpret=True,
+                             q_pe=args[1])
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+    with pytest.raises(ValueError, match="do not fit kv_lora_rank"):
+        mla_decode_attention(q_lat[..., :16], c.pool.kv_buffer[0], outs[0], kv_indptr, kv_indices,
+                             torch.empty(2, heads, 3, r), torch.empty(2, heads, 3), 0.3, r, q_pe=q_pe, interpret=True)
+
+
+def test_apply_uv_into_a_contiguous_output_equals_the_view():
+    gen = torch.Generator().manual_seed(4)
+    proj = MLAProjections.from_kv_b_proj(torch.randn(3 * (5 + 7), 16, generator=gen),
+                                         MLALayerSpec(0, 3, 5, 4, 7, 16, 0.5))
+    o_latent = torch.randn(9, 3, 16, generator=gen)
+    out = torch.empty(9, 3, 7)
+    got = apply_uv(o_latent, proj, out)
+    assert got is out and got.is_contiguous()
+    torch.testing.assert_close(got, apply_uv(o_latent, proj), rtol=0, atol=0)
+
+
 H, DN, DR, DV, R = 4, 16, 8, 12, 32
 SPEC = MLALayerSpec(0, H, DN, DR, DV, R, 0.7 * (DN + DR) ** -0.5)
 PREFIX = [0, 13, 37]

@@ -92,3 +92,39 @@ def test_tiny_deepseek_with_the_fused_rotary_and_store_matches_transformers(tmp_
         torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
         got.append(int(step_logits.argmax()))
     assert got == tokens and not stores  # every latent row came from the rotary kernel
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_rotary_kv_norm_equals_kv_a_layernorm_then_store(kv_cache_dtype, dtype):
+    """kv_norm=: the raw latent normalised in place as kv_a_layernorm does (torch's arithmetic, rounded where it
+    rounds), and the stored row equals set_latent of the normalised latent; a kv_norm without store is refused."""
+    from sglx.llm.layers.norm import RMSNorm
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+    tokens, heads, dim, latent = 3, 4, 16, 40
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(tokens, heads, 8 + dim, generator=gen).to(dtype)
+    kv = (3 * torch.randn(tokens, latent + dim, generator=gen)).to(dtype)  # the kv_a_proj output [c_kv, k_pe]
+    norm = RMSNorm(latent, 1e-6).to(dtype)
+    norm.weight.data = (1 + 0.5 * torch.randn(latent, generator=gen)).to(dtype)
+    cos, sin = RotaryEmbedding(dim, 10000.0, None, 512).cos_sin(torch.tensor([3, 9, 100]), dtype)
+    slots = torch.tensor([5, 2, 11])
+    pools = [MLATokenKVPool(16, 1, 1, latent, dim, dtype, kv_cache_dtype) for _ in range(2)]
+    want_c = norm._torch(kv[:, :latent])
+    want_k = rotate_interleaved(kv[:, None, latent:], cos, sin)[:, 0]
+    pools[0].set_latent(0, slots, want_c, want_k)
+    c_kv, k_pe = kv[:, :latent], kv[:, latent:]
+    apply_mla_rotary_(q[..., 8:], k_pe, cos, sin, True,
+                      (c_kv, pools[1].kv_buffer[0], slots, pools[1].kv_scale[0], pools[1].fp8_dtype),
+                      (norm.weight.data, norm.eps))
+    # the float32 sum of squares may add in another order than torch's mean: at most one rounding step apart
+    torch.testing.assert_close(c_kv, want_c, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)
+    assert torch.equal(k_pe, want_k)
+    if dtype == torch.float32 and kv_cache_dtype == "auto":
+        torch.testing.assert_close(pools[1].kv_buffer[0], pools[0].kv_buffer[0], rtol=1e-6, atol=0)
+    else:
+        stored = pools[1].get_latent(0, slots, torch.float32)
+        torch.testing.assert_close(stored, pools[0].get_latent(0, slots, torch.float32), rtol=0.07, atol=1e-3)
+    with pytest.raises(ValueError, match="pass store too"):
+        apply_mla_rotary_(q[..., 8:], k_pe, cos, sin, True, None, (norm.weight.data, norm.eps))

@@ -137,3 +137,77 @@ def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeyp
         got.append(int(step_logits.argmax()))
     assert got == tokens
     assert calls and len(calls) == 2 * 6  # both MoE layers, prefill + 5 decode steps, all fused
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,renorm,scale", [
+    (1, 64, 6, 40, False, 1.0),   # V2-Lite's 64 / top-6, one decode token; H not a multiple of the block
+    (5, 8, 2, 48, True, 1.0),     # V2's renormalised top-k
+    (3, 20, 3, 16, False, 2.5),   # experts not a power of two, scaled weights
+    (4, 6, 1, 32, False, 1.0),    # top-1
+])
+def test_greedy_router_matches_float64_softmax_topk(tokens, experts, top_k, hidden, renorm, scale):
+    from sglx.llm.kernels.moe_router import greedy_router
+
+    gen = torch.Generator().manual_seed(experts + tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(experts, hidden, generator=gen)
+    weights, ids = greedy_router(x, w, top_k, renorm, scale, interpret=True)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k)
+    scores = (x.double() @ w.double().T).softmax(-1)
+    ref_w, ref_ids = torch.topk(scores, top_k, dim=-1)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) if renorm else ref_w * scale
+    order = ids.argsort(-1)
+    ref_order = ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order).double(), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+    # the best expert comes first, as a sorted top-k would give it
+    assert torch.equal(ids[:, 0], ref_ids[:, 0])
+
+
+def test_greedy_router_takes_the_lowest_index_on_ties_and_rejects_a_bad_k():
+    from sglx.llm.kernels.moe_router import greedy_router
+
+    x = torch.ones(1, 16)
+    w = torch.zeros(8, 16)
+    w[[2, 5, 6]] = 1.0  # three equal best experts
+    _, ids = greedy_router(x, w, 2, False, 1.0, interpret=True)
+    assert ids.tolist() == [[2, 5]]
+    with pytest.raises(ValueError, match="top_k 9"):
+        greedy_router(x, w, 9, False, 1.0, interpret=True)
+
+
+def test_tiny_deepseek_v2_with_the_fused_router_matches_transformers(tmp_path, monkeypatch):
+    """V2-shaped model (greedy softmax routing, shared experts) with the router and experts on their GPU path
+    (fused Triton kernels, interpreted): logits and greedy tokens equal transformers'."""
+    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from sglx.llm.kernels import moe_router
+    from sglx.llm.layers import moe
+    from sglx.llm.models import load_model
+
+    routed = []
+    real_router = moe_router.greedy_router
+
+    def counting_router(*args, **kwargs):
+        routed.append(args[0].shape[0])
+        return real_router(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "fused_moe_applies", lambda device: True)
+    monkeypatch.setattr(moe_router, "greedy_router", counting_router)
+    path = make_tiny_model(tmp_path, "deepseek_v2")
+    model, _ = load_model(path, torch.float32, "cpu")
+    hf = load_hf_model(path)
+    prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
+    harness = PagedKVHarness(model, page_size=4, max_requests=2, max_context=64)
+    row = harness.new_request()
+    logits = harness.extend([(row, prompt)], return_all_logits=True)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
+    tokens, ref = hf_greedy(hf, prompt, 6)
+    got = [int(logits[-1].argmax())]
+    for step in range(1, 6):
+        step_logits = harness.decode([(row, got[-1])])[0]
+        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
+        got.append(int(step_logits.argmax()))
+    assert got == tokens
+    moe_layers = sum(isinstance(layer.mlp, moe.DeepseekMoE) for layer in model.model.layers)
+    assert moe_layers and routed == [len(prompt)] * moe_layers + [1] * (5 * moe_layers)

@@ -125,9 +125,10 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _mla_decode_stage1(
-    Q, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
+    Q, Q_pe, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
     qk_scale, v_scale, max_splits, min_chunk,
-    stride_qt, stride_qh, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_b, stride_out_h,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_out_b, stride_out_h,
     H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
     SINGLE: tl.constexpr,
@@ -147,7 +148,8 @@ def _mla_decode_stage1(
         p_mask = offs_p < DR
         q_row = Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
         q_lat = tl.load(q_row + offs_r[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0)
-        q_pe = tl.load(q_row + R + offs_p[None, :], mask=head_mask[:, None] & p_mask[None, :], other=0.0)
+        q_pe = tl.load(Q_pe + b.to(tl.int64) * stride_pt + heads[:, None] * stride_ph + offs_p[None, :],
+                       mask=head_mask[:, None] & p_mask[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -180,19 +182,29 @@ def mla_decode_attention(
     q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor, scaling: float, kv_lora_rank: int, *, kv_scale: float = 1.0,
     fp8_dtype: torch.dtype | None = None, config: MLADecodeConfig = MLADecodeConfig(), interpret: bool = False,
+    q_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [bs, H, R + DR] (absorbed query), kv_buffer [slots, 1, R + DR] (one layer's latents, or their fp8
-    bits) -> out [bs, H, R], the attention output in latent space (apply W_UV after).
+    bits) -> out [bs, H, R], the attention output in latent space (apply W_UV after). With `q_pe` [bs, H, DR]
+    given, q is only the latent part [bs, H, R]: the two halves are read where they lie (no concatenation).
 
     mid_o [bs, H, max_splits, R] and mid_lse [bs, H, max_splits] (float32) are scratch whose split
     dimension sets `max_splits`."""
-    bs, h, dim = q.shape
     r = kv_lora_rank
-    dr = dim - r
+    if q_pe is None:
+        q, q_pe = q[..., :r], q[..., r:]
+    bs, h, _ = q.shape
+    dr = q_pe.shape[-1]
+    dim = r + dr
+    if q.shape[-1] != r or q_pe.shape[:2] != q.shape[:2]:
+        raise ValueError(f"latent query {tuple(q.shape)} and rope query {tuple(q_pe.shape)} do not fit "
+                         f"kv_lora_rank {r}")
     if bs == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
     if kv_buffer.stride(-1) != 1 or kv_buffer.shape[-1] != dim:
         raise ValueError(f"latent buffer {tuple(kv_buffer.shape)} does not match the query width {dim}")
     max_splits = mid_lse.shape[-1]
@@ -201,9 +213,9 @@ def mla_decode_attention(
     block_h = _block_h(h, config)
     single = max_splits == 1
     _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
-        q, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
+        q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
         scaling * kv_scale * LOG2E, float(kv_scale), max_splits, config.min_chunk,
-        q.stride(0), q.stride(1), kv_buffer.stride(0),
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         H=h, BLOCK_H=block_h, R=r, DR=dr, BLOCK_R=padded_dim(r), BLOCK_DR=padded_dim(dr), BLOCK_N=block_n,

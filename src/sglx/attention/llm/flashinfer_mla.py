@@ -173,7 +173,7 @@ class FlashInferMLABackend(MLAAttentionBackend):
         plan = self._ensure_planned(layer, q_abs.dtype, buf.dtype)
         o_latent = plan.wrapper.run(q_abs, q_pe.contiguous(), buf[..., :layer.kv_lora_rank],  # type: ignore[attr-defined]
                                     buf[..., layer.kv_lora_rank:])
-        return apply_uv(o_latent, proj)
+        return apply_uv(o_latent, proj, o_latent.new_empty((o_latent.shape[0], layer.num_heads, layer.v_head_dim)))
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:

@@ -62,9 +62,13 @@ def absorb_q(q_nope: torch.Tensor, proj: MLAProjections) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), proj.w_uk).transpose(0, 1)
 
 
-def apply_uv(o_latent: torch.Tensor, proj: MLAProjections) -> torch.Tensor:
-    """Attention output in latent space [T, H, r] -> per-head values [T, H, dv]."""
-    return torch.bmm(o_latent.transpose(0, 1), proj.w_uv.transpose(1, 2)).transpose(0, 1)
+def apply_uv(o_latent: torch.Tensor, proj: MLAProjections, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output in latent space [T, H, r] -> per-head values [T, H, dv], written into `out` when given
+    (a contiguous `out` makes the caller's reshape to [T, H * dv] a view, not a copy kernel)."""
+    if out is None:
+        return torch.bmm(o_latent.transpose(0, 1), proj.w_uv.transpose(1, 2)).transpose(0, 1)
+    torch.bmm(o_latent.transpose(0, 1), proj.w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def expand_latent(latent: torch.Tensor, proj: MLAProjections, spec: MLALayerSpec

@@ -64,14 +64,14 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
         assert meta is not None and meta.mid_o is not None and meta.mid_lse is not None, \
             "init_forward_metadata(batch) must run first"
         pool = batch.token_kv_pool
-        q = torch.cat([absorb_q(q_nope, proj), q_pe], dim=-1)
-        o_latent = q.new_empty((q.shape[0], layer.num_heads, layer.kv_lora_rank))
+        q_lat = absorb_q(q_nope, proj)  # the kernel reads q_lat and q_pe where they lie: no torch.cat
+        o_latent = q_lat.new_empty((q_lat.shape[0], layer.num_heads, layer.kv_lora_rank))
         mla_decode_attention(
-            q, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[union-attr]
+            q_lat, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[union-attr]
             meta.mid_o, meta.mid_lse, layer.scaling, layer.kv_lora_rank,
             kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[union-attr]
-            config=self.mla_config, interpret=self.interpret)
-        return apply_uv(o_latent, proj)
+            config=self.mla_config, interpret=self.interpret, q_pe=q_pe)
+        return apply_uv(o_latent, proj, q_lat.new_empty((q_lat.shape[0], layer.num_heads, layer.v_head_dim)))
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:

@@ -25,6 +25,8 @@ from sglx.llm.deepseek_config import MoEConfig
 from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
 
+ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
+
 
 def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +160,21 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (GatedMLP(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): one fused launch for the greedy softmax router of
+        decode-sized steps on a GPU (sglx.llm.kernels.moe_router), else select_experts on float32 logits."""
+        cfg = self.cfg
+        if (cfg.topk_method == "greedy" and cfg.scoring_func == "softmax" and fused_moe_applies(x.device)
+                and x.shape[0] <= ROUTER_MAX_TOKENS):
+            from sglx.llm.kernels.moe_router import greedy_router
+
+            k = cfg.num_experts_per_tok
+            return greedy_router(x, self.gate.weight, k, k > 1 and cfg.norm_topk_prob, cfg.routed_scaling_factor)
         logits = F.linear(x.float(), self.gate.weight.float())
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = select_experts(logits, self.cfg, bias.float() if bias is not None else None)
+        return select_experts(logits, cfg, bias.float() if bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.experts(x, weights, ids, add=shared)

@@ -79,19 +79,24 @@ class DeepseekMLAttention(nn.Module):
         q_nope, q_pe = q.view(tokens, spec.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
         stored = False
-        if use_fused(x):  # one launch, in place, bit-identical to the torch path below; stores the latent row
-            from sglx.llm.kernels.mla_rotary import apply_mla_rotary_
+        if use_fused(x):  # one launch, in place, bit-identical to the torch path below; with an MLA pool it also
+            from sglx.llm.kernels.mla_rotary import apply_mla_rotary_  # norms c_kv and stores the latent row
 
             pool = batch.token_kv_pool
-            store = None
-            if isinstance(pool, MLATokenKVPool):  # what every MLA backend's save_latent would write
+            norm = self.kv_a_layernorm
+            store = kv_norm = None
+            if isinstance(pool, MLATokenKVPool) and norm.weight.dtype == c_kv.dtype:
+                # what every MLA backend's save_latent would write
                 store = (c_kv, pool.kv_buffer[spec.layer_id], batch.out_cache_loc, pool.kv_scale[spec.layer_id],
                          pool.fp8_dtype)
-            apply_mla_rotary_(q_pe, k_pe, cos, sin, mla.rope_interleave, store)
+                kv_norm = (norm.weight, norm.eps)
+            else:
+                c_kv = norm(c_kv)
+            apply_mla_rotary_(q_pe, k_pe, cos, sin, mla.rope_interleave, store, kv_norm)
             stored = store is not None
         else:
+            c_kv = self.kv_a_layernorm(c_kv)
             q_pe = self._rotate(q_pe, cos, sin)
             k_pe = self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
         backend = batch.attn_backend
