@@ -5,9 +5,13 @@
 A CUDA graph of 32 "layers" of a batch-1 decode step, each: an idle window (`torch.cuda._sleep`, standing for
 rotary + attention), the o_proj GEMV (4096x4096, sglx's skinny GEMM), a short idle window (a norm), the gate_up
 GEMV (28672x4096, cuBLAS; it also pushes the previous layer's lines out of L2). Variants fork a side stream that
-prefetches (sglx.llm.kernels.l2_prefetch) o_proj's weights, and optionally the first megabytes of gate_up's, at
+prefetches (`prefetch_l2` below) o_proj's weights, and optionally the first megabytes of gate_up's, at
 the start of the window before each. Each layer has its own weights (7.5 GB in all), so nothing stays in L2 from
 one replay to the next. Reported: replay time per layer (median of 30 replays) and the saving against no prefetch.
+
+Session 14 (H100): 4 us a layer saved with a 10 us window, but in the Llama-3.1-8B engine (o_proj prefetched
+after qkv in captured decode steps) batch 1 was slower in three alternated pairs of processes (6.49 / 6.59 / 6.54
+ms against 6.29 / 6.46 / 6.34): the engine code was removed; docs/benchmarks.md "Session 14".
 """
 
 from __future__ import annotations
@@ -18,9 +22,40 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from sglx.llm.kernels.l2_prefetch import prefetch_l2
 from sglx.llm.kernels.skinny_gemm import skinny_linear
+
+# a fire-and-forget L2 prefetch (sm_90+ `cp.async.bulk.prefetch.L2`): each lane issues one prefetch of CHUNK
+# bytes; the instruction returns at once, so the kernel holds no registers for the data
+CHUNK = 16 * 1024  # bytes per prefetch instruction (a multiple of 16)
+LANES = 32  # prefetches per program (one warp)
+
+
+@triton.jit
+def _l2_prefetch_kernel(base, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    offs = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * CHUNK
+    live = offs < nbytes
+    size = tl.where(live, tl.minimum(nbytes - offs, CHUNK), 16).to(tl.int32)
+    addr = base + tl.where(live, offs, 0)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;", "=r,l,r",
+        [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, chunk: int = CHUNK, lanes: int = LANES) -> None:
+    """Start pulling the first `max_bytes` (None: all) of contiguous tensor `t` into L2 on the current stream."""
+    nbytes = t.numel() * t.element_size()
+    if max_bytes is not None:
+        nbytes = min(nbytes, max_bytes)
+    nbytes -= nbytes % 16
+    if nbytes <= 0:
+        return
+    programs = triton.cdiv(triton.cdiv(nbytes, chunk), lanes)
+    _l2_prefetch_kernel[(programs,)](t.data_ptr(), nbytes, CHUNK=chunk, LANES=lanes, num_warps=1)
+
 
 LAYERS = 32
 HIDDEN, INTER = 4096, 14336

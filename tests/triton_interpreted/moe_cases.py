@@ -151,7 +151,9 @@ def test_greedy_router_matches_float64_softmax_topk(tokens, experts, top_k, hidd
     gen = torch.Generator().manual_seed(experts + tokens)
     x = torch.randn(tokens, hidden, generator=gen)
     w = torch.randn(experts, hidden, generator=gen)
-    weights, ids = greedy_router(x, w, top_k, renorm, scale, interpret=True)
+    tickets = torch.zeros(8, dtype=torch.int32)
+    weights, ids = greedy_router(x, w, top_k, renorm, scale, tickets, interpret=True)
+    assert not tickets.any()  # left zero for the next launch (CUDA graph replays)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k)
     scores = (x.double() @ w.double().T).softmax(-1)
     ref_w, ref_ids = torch.topk(scores, top_k, dim=-1)
@@ -174,6 +176,8 @@ def test_greedy_router_takes_the_lowest_index_on_ties_and_rejects_a_bad_k():
     assert ids.tolist() == [[2, 5]]
     with pytest.raises(ValueError, match="top_k 9"):
         greedy_router(x, w, 9, False, 1.0, interpret=True)
+    with pytest.raises(ValueError, match="router tickets"):
+        greedy_router(torch.ones(3, 16), w, 2, False, 1.0, torch.zeros(2, dtype=torch.int32), interpret=True)
 
 
 def test_tiny_deepseek_v2_with_the_fused_router_matches_transformers(tmp_path, monkeypatch):

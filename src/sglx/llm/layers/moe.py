@@ -159,6 +159,7 @@ class DeepseekMoE(nn.Module):
         self.experts = RoutedExperts(cfg.n_routed_experts, hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (GatedMLP(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self._tickets: torch.Tensor | None = None  # the fused router's (see _router_tickets)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): one fused launch for the greedy softmax router of
@@ -169,10 +170,21 @@ class DeepseekMoE(nn.Module):
             from sglx.llm.kernels.moe_router import greedy_router
 
             k = cfg.num_experts_per_tok
-            return greedy_router(x, self.gate.weight, k, k > 1 and cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            return greedy_router(x, self.gate.weight, k, k > 1 and cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                                 self._router_tickets(x.device))
         logits = F.linear(x.float(), self.gate.weight.float())
         bias = getattr(self.gate, "e_score_correction_bias", None)
         return select_experts(logits, cfg, bias.float() if bias is not None else None)
+
+    def _router_tickets(self, device: torch.device) -> torch.Tensor | None:
+        """int32 zeros the fused router leaves zero, kept across steps; made outside any CUDA-graph capture (one
+        made inside would be zeroed only by replays), so None there until an eager step made them."""
+        tickets = self._tickets
+        if tickets is None or tickets.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            tickets = self._tickets = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+        return tickets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

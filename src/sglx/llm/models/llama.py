@@ -27,7 +27,6 @@ from sglx.llm.layers.parallel import (
     current_tp,
     lm_logits,
 )
-from sglx.llm.layers.weight_prefetch import WeightPrefetcher
 from sglx.llm.model_config import ModelConfig
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -44,9 +43,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, prefetch: WeightPrefetcher) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.prefetch = prefetch
         d = config.head_dim
         tp = current_tp()  # this rank's heads: num_heads / tp; KV heads split, or one replicated per rank
         q_start, q_heads = tp.split(config.num_heads)
@@ -76,7 +74,6 @@ class LlamaSelfAttention(nn.Module):
         spec = self.attn.spec
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        self.prefetch.issue(x, self.o_proj.weight)
         q = q.reshape(tokens, spec.num_q_heads, spec.head_dim)
         k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -89,9 +86,9 @@ class LlamaSelfAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, prefetch: WeightPrefetcher) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaSelfAttention(config, layer_id, prefetch)
+        self.self_attn = LlamaSelfAttention(config, layer_id)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, tp=current_tp())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,8 +112,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, current_tp())
-        self.prefetch = WeightPrefetcher()
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.prefetch) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
@@ -127,7 +123,6 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)
-        self.prefetch.join()
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]
