@@ -2,7 +2,8 @@
 # Session 14 device stages (one `run` call each; carry .whl for stage tests, .old_src for stage ab):
 #   tests  GPU tests of what session 14 changed (L2 prefetch, MLA/DeepSeek kernels and engine, CUDA graphs)
 #   ab     DeepSeek-V2-Lite one-batch (bs 1, 32): this tree against .old_src (session 13's src), alternated;
-#          then the step's kernel table (bench_deepseek_step.py); then Llama-3.1-8B bs1 L2 prefetch off / on
+#          then the step's kernel table (bench_deepseek_step.py, DS_STEP="new old"); then, with L2_VARIANTS, Llama-3.1-8B
+#          bs1 processes under SGLX_L2_PREFETCH values (the switch existed only in session 14's first commits)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160
@@ -27,10 +28,17 @@ for r in json.load(open('$1'))['results']:
     PYTHONPATH=$src timeout 170 python3 -m sglx bench one-batch $DS --output "$OUT/ds_$v.json" > /dev/null 2>&1
     show "$OUT/ds_$v.json" "v2lite $v"
   done
-  if [ "${DS_STEP:-1}" = 1 ]; then
-    PYTHONPATH=src timeout 200 python3 benchmarks/bench_deepseek_step.py --out "$OUT/deepseek_step.json" > /dev/null 2>&1 \
-      || echo "deepseek step failed"
-  fi
+  for v in ${DS_STEP:-new}; do  # the step's kernel table: this tree (new) and/or session 13's (old)
+    src=src; [ "$v" = old ] && src=.old_src/src
+    PYTHONPATH=$src timeout 200 python3 benchmarks/bench_deepseek_step.py --out "$OUT/deepseek_step_$v.json" \
+      > /dev/null 2>&1 || echo "deepseek step $v failed"
+    python3 -c "
+import json
+d = json.load(open('$OUT/deepseek_step_$v.json'))['model']['profiles']['1']
+print('$v bs1 kernels us/step', round(d['kernel_us_per_step']))
+for k in d['top']: print('  ', k['calls_per_step'], round(k['us_per_step'], 1), k['name'][:70])
+" || true
+  done
   OB="--model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 32
    --attention-backend triton --page-size 128"
   for v in ${L2_VARIANTS:-}; do
