@@ -152,7 +152,8 @@ def test_greedy_router_matches_float64_softmax_topk(tokens, experts, top_k, hidd
     x = torch.randn(tokens, hidden, generator=gen)
     w = torch.randn(experts, hidden, generator=gen)
     tickets = torch.zeros(8, dtype=torch.int32)
-    weights, ids = greedy_router(x, w, top_k, renorm, scale, tickets, interpret=True)
+    weights, ids, aligned = greedy_router(x, w, top_k, renorm, scale, tickets, interpret=True)
+    assert aligned is None
     assert not tickets.any()  # left zero for the next launch (CUDA graph replays)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k)
     scores = (x.double() @ w.double().T).softmax(-1)
@@ -172,17 +173,23 @@ def test_greedy_router_takes_the_lowest_index_on_ties_and_rejects_a_bad_k():
     x = torch.ones(1, 16)
     w = torch.zeros(8, 16)
     w[[2, 5, 6]] = 1.0  # three equal best experts
-    _, ids = greedy_router(x, w, 2, False, 1.0, interpret=True)
+    _, ids, _ = greedy_router(x, w, 2, False, 1.0, interpret=True)
     assert ids.tolist() == [[2, 5]]
+    weights, ids, _ = greedy_router(x, w, 2, False, 1.0, interpret=True, shared=3)  # + experts 8, 9, 10 of weight 1
+    assert ids.tolist() == [[2, 5, 8, 9, 10]] and weights[0, 2:].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="top_k 9"):
         greedy_router(x, w, 9, False, 1.0, interpret=True)
+    with pytest.raises(ValueError, match="one token's pairs"):
+        greedy_router(torch.ones(2, 16), w, 2, False, 1.0, interpret=True, align_block_m=16)
     with pytest.raises(ValueError, match="router tickets"):
         greedy_router(torch.ones(3, 16), w, 2, False, 1.0, torch.zeros(2, dtype=torch.int32), interpret=True)
 
 
-def test_tiny_deepseek_v2_with_the_fused_router_matches_transformers(tmp_path, monkeypatch):
-    """V2-shaped model (greedy softmax routing, shared experts) with the router and experts on their GPU path
-    (fused Triton kernels, interpreted): logits and greedy tokens equal transformers'."""
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_tiny_deepseek_on_the_gpu_moe_path_matches_transformers(tmp_path, monkeypatch, arch):
+    """The MoE layers on their GPU path, interpreted: the routed experts and the shared experts (as experts E..
+    of weight 1) in fused_moe's launches; V2's greedy softmax routing in the fused router kernel, V3's sigmoid
+    group routing in torch with the shared columns appended. Logits and greedy tokens equal transformers'."""
     from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
     from sglx.llm.kernels import moe_router
     from sglx.llm.layers import moe
@@ -197,7 +204,16 @@ def test_tiny_deepseek_v2_with_the_fused_router_matches_transformers(tmp_path, m
 
     monkeypatch.setattr(moe, "fused_moe_applies", lambda device: True)
     monkeypatch.setattr(moe_router, "greedy_router", counting_router)
-    path = make_tiny_model(tmp_path, "deepseek_v2")
+    shared_calls = []
+    real_fused = moe.RoutedExperts.forward_fused
+
+    def counting_fused(self, x, weights, ids, add=None, shared=None, aligned=None):
+        # shared in-kernel; the router's own blocks exactly for V2's one-token (decode) steps
+        shared_calls.append((shared is not None and add is None, aligned is not None))
+        return real_fused(self, x, weights, ids, add, shared, aligned)
+
+    monkeypatch.setattr(moe.RoutedExperts, "forward_fused", counting_fused)
+    path = make_tiny_model(tmp_path, arch)
     model, _ = load_model(path, torch.float32, "cpu")
     hf = load_hf_model(path)
     prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
@@ -214,4 +230,50 @@ def test_tiny_deepseek_v2_with_the_fused_router_matches_transformers(tmp_path, m
         got.append(int(step_logits.argmax()))
     assert got == tokens
     moe_layers = sum(isinstance(layer.mlp, moe.DeepseekMoE) for layer in model.model.layers)
-    assert moe_layers and routed == [len(prompt)] * moe_layers + [1] * (5 * moe_layers)
+    one_token = arch == "deepseek_v2"
+    assert moe_layers and shared_calls == [(True, False)] * moe_layers + [(True, one_token)] * (5 * moe_layers)
+    assert routed == ([len(prompt)] * moe_layers + [1] * (5 * moe_layers) if arch == "deepseek_v2" else [])
+
+
+@pytest.mark.parametrize("tokens,n_shared", [(1, 2), (7, 1)])
+def test_fused_moe_runs_shared_experts_as_experts_of_weight_one(tokens, n_shared):
+    """shared=(gate_up, down) of a shared MLP S x I wide: ids E..E+S-1 with weight 1 give routed + shared MLP
+    (float64 reference: the MLP in one piece, as HF computes it)."""
+    experts, top_k, hidden, inter = 8, 2, 48, 24
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, hidden, inter, seed=20 + tokens)
+    gen = torch.Generator().manual_seed(3)
+    s_gate_up = torch.randn(2 * n_shared * inter, hidden, generator=gen) * hidden ** -0.5
+    s_down = torch.randn(hidden, n_shared * inter, generator=gen) * inter ** -0.5
+    extra = torch.arange(experts, experts + n_shared).expand(tokens, n_shared)
+    got = fused_moe(x, w13, w2, torch.cat([weights, torch.ones(tokens, n_shared)], 1), torch.cat([ids, extra], 1),
+                    interpret=True, shared=(s_gate_up, s_down))
+    gate, up = (x.double() @ s_gate_up.double().T).chunk(2, dim=-1)
+    ref = _reference(x, w13, w2, weights, ids) + (F.silu(gate) * up) @ s_down.double().T
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="not slices of width"):
+        fused_moe(x, w13, w2, weights, ids, interpret=True, shared=(s_gate_up[:-1], s_down))
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_router_blocks_for_one_token_drive_fused_moe_as_moe_align_does(shared):
+    """align_block_m: the router's own one-pair blocks give fused_moe bitwise the output of moe_align's blocks."""
+    from sglx.llm.kernels.fused_moe import moe_block_m
+    from sglx.llm.kernels.moe_router import greedy_router
+
+    experts, top_k, hidden, inter = 8, 3, 32, 16
+    gen = torch.Generator().manual_seed(6 + shared)
+    x = torch.randn(1, hidden, generator=gen)
+    gate = torch.randn(experts, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    s_weights = (torch.randn(2 * shared * inter, hidden, generator=gen), torch.randn(hidden, shared * inter,
+                 generator=gen)) if shared else None
+    block_m = moe_block_m(top_k + shared, interpret=True)
+    weights, ids, aligned = greedy_router(x, gate, top_k, True, 1.0, interpret=True, shared=shared,
+                                          align_block_m=block_m)
+    sorted_ids, block_expert, block_rows = aligned
+    assert block_expert.tolist() == ids[0].tolist() and block_rows.tolist() == [1] * (top_k + shared)
+    assert sorted_ids[::block_m].tolist() == list(range(top_k + shared))
+    got = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=s_weights, aligned=aligned)
+    want = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=s_weights)
+    assert torch.equal(got, want)

@@ -61,17 +61,25 @@ def _moe_align_kernel(Ids, Sorted_Ids, Block_Expert, Block_Rows, num_pairs, num_
 
 
 @triton.jit
-def _moe_gemm_kernel(A, W, C, Sorted_Ids, Block_Expert, Block_Rows, Routed_W,
-                     N, K, up_offset, a_div,
-                     stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-                     FUSE_SILU: tl.constexpr, ROUTED: tl.constexpr, IEEE: tl.constexpr,
+def _moe_gemm_kernel(A, W, C, Sorted_Ids, Block_Expert, Block_Rows, Routed_W, Shared_W,
+                     N, K, up_offset, a_div, num_routed, s_up_offset,
+                     stride_am, stride_we, stride_wn, stride_wk, stride_cm, s_stride_we, s_stride_wn,
+                     FUSE_SILU: tl.constexpr, ROUTED: tl.constexpr, IEEE: tl.constexpr, HAS_SHARED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[pair, n] = A[pair // a_div] . W[e, n] for the block's rows; FUSE_SILU: silu(gate) * up with the up
-    rows `up_offset` rows further in W; ROUTED: times the pair's routing weight."""
+    rows `up_offset` rows further in W; ROUTED: times the pair's routing weight. HAS_SHARED: experts from
+    `num_routed` on are slices of the shared experts' weight Shared_W (own expert/row strides and up offset)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(Block_Expert + pid_m)
     if expert >= 0:
+        if HAS_SHARED:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if expert >= num_routed:
+                W = Shared_W
+                expert = expert - num_routed
+                stride_we = s_stride_we
+                stride_wn = s_stride_wn
+                up_offset = s_up_offset
         n_rows = tl.load(Block_Rows + pid_m)
         offs_m = tl.arange(0, BLOCK_M)
         row_mask = offs_m < n_rows
@@ -131,6 +139,11 @@ def _tiles(num_pairs: int, interpret: bool) -> tuple[int, int, int, int, int]:
     return 64, 128, 64, 8, 3
 
 
+def moe_block_m(pairs: int, interpret: bool = False) -> int:
+    """Rows per expert block fused_moe uses for this many (token, choice) pairs (what `aligned` must have)."""
+    return _tiles(pairs, interpret)[0]
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted pair ids [blocks * block_m] int32, expert of each block [blocks] int32 (-1 unused),
     real rows of each block [blocks] int32). The block count is a bound known on the host (no sync)."""
@@ -147,35 +160,59 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              interpret: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+              interpret: bool = False, add: torch.Tensor | None = None,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]
-    (+ `add` [T, H], e.g. the shared experts' output, added after the sum is rounded to x's dtype)."""
+    (+ `add` [T, H], e.g. the shared experts' output, added after the sum is rounded to x's dtype).
+
+    shared = (gate_up [2 S I, H] (S I gate rows, then S I up rows), down [H, S I]): S shared experts of width I
+    as experts E..E+S-1, each I-wide slice of the shared MLP one of them (the MLP is the sum of its slices);
+    ids/weights then carry them (ids E + s, weight 1), so their GEMMs run in the routed experts' launches.
+    aligned: moe_align's result for these ids at `moe_block_m(pairs)` rows, made already (the fused router does
+    it for one token), so that launch is skipped."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, two_i, _ = w13.shape
     inter_size = two_i // 2
+    num_routed = experts
+    if shared is not None:
+        s_gate_up, s_down = shared
+        n_shared = s_down.shape[1] // inter_size
+        if (s_gate_up.shape != (2 * n_shared * inter_size, hidden) or s_down.shape != (hidden, n_shared * inter_size)
+                or n_shared == 0 or s_gate_up.stride(-1) != 1 or s_down.stride(-1) != 1):
+            raise ValueError(f"shared experts {tuple(s_gate_up.shape)} / {tuple(s_down.shape)} are not slices of "
+                             f"width {inter_size} over hidden {hidden}")
+        experts += n_shared
     pairs = tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
     block_m, block_n, block_k, warps, stages = _tiles(pairs, interpret)
-    sorted_ids, block_expert, block_rows = moe_align(ids, experts, block_m)
+    sorted_ids, block_expert, block_rows = aligned if aligned is not None else moe_align(ids, experts, block_m)
+    if sorted_ids.numel() != block_expert.numel() * block_m:
+        raise ValueError(f"aligned blocks of {sorted_ids.numel() // max(1, block_expert.numel())} rows, "
+                         f"the GEMMs take {block_m}")
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
+    # shared expert s of gate_up: gate rows s I.., up rows S I further; of down: columns s I.. of [H, S I]
+    s13, s13_strides = (s_gate_up, (inter_size * s_gate_up.stride(0), s_gate_up.stride(0), n_shared * inter_size)
+                        ) if shared is not None else (w13, (0, 0, 0))
+    s2, s2_strides = (s_down, (inter_size, s_down.stride(0))) if shared is not None else (w2, (0, 0))
     _moe_gemm_kernel[(blocks, triton.cdiv(inter_size, block_n))](
-        x, w13, inter, sorted_ids, block_expert, block_rows, x,
-        inter_size, hidden, inter_size, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        FUSE_SILU=True, ROUTED=False, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        x, w13, inter, sorted_ids, block_expert, block_rows, x, s13,
+        inter_size, hidden, inter_size, top_k, num_routed, s13_strides[2],
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), s13_strides[0], s13_strides[1],
+        FUSE_SILU=True, ROUTED=False, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _moe_gemm_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        inter, w2, y, sorted_ids, block_expert, block_rows, weights.reshape(-1).float().contiguous(),
-        hidden, inter_size, 0, 1,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        FUSE_SILU=False, ROUTED=True, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        inter, w2, y, sorted_ids, block_expert, block_rows, weights.reshape(-1).float().contiguous(), s2,
+        hidden, inter_size, 0, 1, num_routed, 0,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), s2_strides[0], s2_strides[1],
+        FUSE_SILU=False, ROUTED=True, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     out = torch.empty_like(x)
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()

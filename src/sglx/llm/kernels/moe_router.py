@@ -21,9 +21,10 @@ MAX_TOKENS = 256  # every expert block re-reads the token's row: meant for decod
 
 
 @triton.jit
-def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, E, H, stride_x, stride_w, scale,
-                          K: tl.constexpr, RENORM: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_E: tl.constexpr):
+def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block_Expert, Block_Rows,
+                          E, H, stride_x, stride_w, scale,
+                          K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_EP: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN_BM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_ep = tl.program_id(1) * BLOCK_EP + tl.arange(0, BLOCK_EP)
     ep_mask = offs_ep < E
@@ -53,28 +54,54 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, E, H, stride_x, s
             left = tl.where(offs_e == pick, -1.0, left)
         chosen = rank >= 0
         weights = scores / (tl.sum(tl.where(chosen, scores, 0.0), 0) + 1e-20) if RENORM else scores * scale
-        tl.store(Weights + t * K + rank, weights, mask=chosen)
-        tl.store(Ids + t * K + rank, offs_e.to(tl.int64), mask=chosen)
+        row = t * (K + SHARED)
+        tl.store(Weights + row + rank, weights, mask=chosen)
+        tl.store(Ids + row + rank, offs_e.to(tl.int64), mask=chosen)
+        if ALIGN_BM > 0:  # one token: its pairs are one per expert, so one block each (what moe_align would make)
+            tl.store(Block_Expert + rank, offs_e, mask=chosen)
+            tl.store(Block_Rows + rank, tl.full([BLOCK_E], 1, tl.int32), mask=chosen)
+            tl.store(Sorted_Ids + rank * ALIGN_BM, rank, mask=chosen)
+        if SHARED > 0:  # the shared experts as always-chosen experts E.., weight 1 (sglx.llm.kernels.fused_moe)
+            offs_s = tl.arange(0, BLOCK_S)
+            s_mask = offs_s < SHARED
+            tl.store(Weights + row + K + offs_s, tl.full([BLOCK_S], 1.0, tl.float32), mask=s_mask)
+            tl.store(Ids + row + K + offs_s, (E + offs_s).to(tl.int64), mask=s_mask)
+            if ALIGN_BM > 0:
+                tl.store(Block_Expert + K + offs_s, E + offs_s, mask=s_mask)
+                tl.store(Block_Rows + K + offs_s, tl.full([BLOCK_S], 1, tl.int32), mask=s_mask)
+                tl.store(Sorted_Ids + (K + offs_s) * ALIGN_BM, K + offs_s, mask=s_mask)
         tl.atomic_xchg(Tickets + t, 0)
 
 
 def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                  tickets: torch.Tensor | None = None, interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  tickets: torch.Tensor | None = None, interpret: bool = False, shared: int = 0,
+                  align_block_m: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """x [T, H], gate_weight [E, H] -> (weights [T, k] float32, expert ids [T, k] int64): softmax over
     x @ gate_weight^T in float32, the k best experts, their scores renormalised to sum 1 (`renormalize`) or
-    times `scale`. tickets: int32 zeros, at least T of them, that the launch leaves zero (None: fresh ones)."""
+    times `scale`. tickets: int32 zeros, at least T of them, that the launch leaves zero (None: fresh ones).
+    shared: that many more columns, experts E.. with weight 1 (the shared experts, run by fused_moe).
+    align_block_m (one token only): also return fused_moe's expert blocks of that many rows (`moe_align`'s
+    (sorted pair ids, block expert, block rows)), written by the same launch; else the third item is None."""
     tokens, hidden = x.shape
     experts = gate_weight.shape[0]
     if not 0 < top_k <= experts:
         raise ValueError(f"top_k {top_k} must be in 1..{experts} (the number of experts)")
     if tickets is not None and (tickets.numel() < tokens or tickets.dtype != torch.int32):
         raise ValueError(f"router tickets: {tokens} int32 zeros needed, got {tickets.numel()} {tickets.dtype}")
+    if align_block_m and tokens != 1:
+        raise ValueError(f"align_block_m lays out one token's pairs; got {tokens} tokens (use moe_align)")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
+    pairs = top_k + shared
+    weights = torch.empty(tokens, pairs, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, pairs, dtype=torch.int64, device=x.device)
+    aligned = None
+    if align_block_m:  # one block per pair: moe_align's block bound for one token's distinct experts
+        aligned = (torch.empty(pairs * align_block_m, dtype=torch.int32, device=x.device),
+                   torch.empty(pairs, dtype=torch.int32, device=x.device),
+                   torch.empty(pairs, dtype=torch.int32, device=x.device))
     if tokens == 0:
-        return weights, ids
+        return weights, ids, aligned
     if tickets is None:
         tickets = torch.zeros(tokens, dtype=torch.int32, device=x.device)
     logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
@@ -85,7 +112,8 @@ def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorm
         block_h = min(4096, triton.next_power_of_2(hidden))
         block_ep = max(1, min(block_e, 4096 // block_h))
     _greedy_router_kernel[(tokens, triton.cdiv(experts, block_ep))](
-        x, gate_weight, logits, tickets, weights, ids, experts, hidden, x.stride(0), gate_weight.stride(0),
-        float(scale), K=top_k, RENORM=renormalize, BLOCK_EP=block_ep, BLOCK_H=block_h, BLOCK_E=block_e,
+        x, gate_weight, logits, tickets, weights, ids, *(aligned or (ids, ids, ids)), experts, hidden, x.stride(0),
+        gate_weight.stride(0), float(scale), K=top_k, SHARED=shared, RENORM=renormalize, BLOCK_EP=block_ep,
+        BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(max(shared, 1)), ALIGN_BM=align_block_m,
         num_warps=1 if interpret else 4)
-    return weights, ids
+    return weights, ids, aligned

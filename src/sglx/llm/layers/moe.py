@@ -107,12 +107,16 @@ class RoutedExperts(nn.Module):
         return out if add is None else out + add
 
     def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      add: torch.Tensor | None = None) -> torch.Tensor:
+                      add: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      aligned: tuple | None = None) -> torch.Tensor:
         """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
-        `add` joins in the kernel that sums the top-k outputs."""
+        `add` joins in the kernel that sums the top-k outputs; `shared` (gate_up, down weights of the shared
+        experts) runs them as experts E.. in the same launches (ids/weights carry them: fused_moe); `aligned`:
+        the expert blocks the fused router already laid out."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add)
+        return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add,
+                         shared=shared, aligned=aligned)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
@@ -161,20 +165,29 @@ class DeepseekMoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self._tickets: torch.Tensor | None = None  # the fused router's (see _router_tickets)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]): one fused launch for the greedy softmax router of
-        decode-sized steps on a GPU (sglx.llm.kernels.moe_router), else select_experts on float32 logits."""
+    def route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """(weights [T, k + shared] float32, expert ids [T, k + shared], fused_moe's expert blocks or None): the
+        top k, then `shared` always-chosen experts E.. of weight 1. One fused launch for the greedy softmax
+        router of decode-sized steps on a GPU (sglx.llm.kernels.moe_router; for one token it lays out the expert
+        blocks too), else select_experts on float32 logits."""
         cfg = self.cfg
         if (cfg.topk_method == "greedy" and cfg.scoring_func == "softmax" and fused_moe_applies(x.device)
                 and x.shape[0] <= ROUTER_MAX_TOKENS):
+            from sglx.llm.kernels.fused_moe import moe_block_m
             from sglx.llm.kernels.moe_router import greedy_router
 
             k = cfg.num_experts_per_tok
+            align = moe_block_m(k + shared, x.device.type == "cpu") if x.shape[0] == 1 else 0
             return greedy_router(x, self.gate.weight, k, k > 1 and cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                 self._router_tickets(x.device))
+                                 self._router_tickets(x.device), shared=shared, align_block_m=align)
         logits = F.linear(x.float(), self.gate.weight.float())
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        return select_experts(logits, cfg, bias.float() if bias is not None else None)
+        weights, ids = select_experts(logits, cfg, bias.float() if bias is not None else None)
+        if shared:
+            extra = torch.arange(cfg.n_routed_experts, cfg.n_routed_experts + shared, device=ids.device)
+            ids = torch.cat([ids, extra.to(ids.dtype).expand(ids.shape[0], shared)], dim=1)
+            weights = torch.cat([weights, weights.new_ones(weights.shape[0], shared)], dim=1)
+        return weights, ids, None
 
     def _router_tickets(self, device: torch.device) -> torch.Tensor | None:
         """int32 zeros the fused router leaves zero, kept across steps; made outside any CUDA-graph capture (one
@@ -187,6 +200,14 @@ class DeepseekMoE(nn.Module):
         return tickets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, weights, ids, add=shared)
+        mlp = self.shared_experts
+        if not fused_moe_applies(x.device):
+            weights, ids, _ = self.route(x)
+            return self.experts(x, weights, ids, add=mlp(x) if mlp is not None else None)
+        if mlp is not None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None:
+            # the shared experts inside the routed experts' launches
+            weights, ids, aligned = self.route(x, self.cfg.n_shared_experts)
+            return self.experts.forward_fused(x, weights, ids, shared=(mlp.gate_up_proj.weight, mlp.down_proj.weight),
+                                              aligned=aligned)
+        weights, ids, aligned = self.route(x)
+        return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned)
