@@ -7,12 +7,18 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160
-stage=${1:?stage: tests | ab}
+stage=${1:?stage: tests | mla_tests | ab}
 if [ "$stage" = tests ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl > "$OUT/pip.txt" 2>&1
   export PYTHONPATH=src:/tmp/site MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
   timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_l2_prefetch_gpu.py tests/gpu/test_mla_gpu.py \
     tests/gpu/test_cuda_graph_gpu.py 2>&1 | tail -25
+fi
+if [ "$stage" = mla_tests ]; then  # carry .whl too (FlashInfer MLA); then run stage ab in the same call
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl > "$OUT/pip.txt" 2>&1
+  PYTHONPATH=src:/tmp/site MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a timeout 300 python3 -m pytest -m gpu -q \
+    -p no:cacheprovider tests/gpu/test_mla_gpu.py 2>&1 | tail -8
+  stage=ab
 fi
 if [ "$stage" = ab ]; then
   DS="--model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1,32
