@@ -98,6 +98,30 @@ def test_prefill_and_decode_match_hf(workdir: Path, arch: str, page_size: int) -
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_input_projections_are_one_gemm_over_views_of_one_weight(workdir: Path, arch: str) -> None:
+    """After load_model, q_proj / q_a_proj and kv_a_proj_with_mqa are views of one fused weight (their checkpoint
+    names and shapes unchanged; loading into them lands in it), and the fused GEMM gives the two projections."""
+    path, model, *_ = tiny(workdir, arch)
+    attn = model.model.layers[0].self_attn
+    q_lin = attn.q_a_proj if model.config.mla.q_lora_rank else attn.q_proj
+    fused, _ = attn._fused_in
+    assert q_lin.weight.data_ptr() == fused.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == fused[q_lin.weight.shape[0]:].data_ptr()
+    x = torch.randn(3, fused.shape[1])
+    q, kv = attn._input_projections(x)
+    torch.testing.assert_close(q, x @ q_lin.weight.T)
+    torch.testing.assert_close(kv, x @ attn.kv_a_proj_with_mqa.weight.T)
+    fresh, _ = load_model(path, torch.float32, "cpu")
+    fused_fresh = fresh.model.layers[0].self_attn._fused_in[0]
+    name = f"model.layers.0.self_attn.{'q_a_proj' if model.config.mla.q_lora_rank else 'q_proj'}.weight"
+    new_rows = torch.randn(q_lin.weight.shape)
+    loaded, unexpected = fresh.load_weights([(name, new_rows)])  # loading after the fusion lands in the fused weight
+    assert loaded == {name} and not unexpected
+    assert torch.equal(fused_fresh[:new_rows.shape[0]], new_rows)
+    assert torch.equal(fused_fresh[new_rows.shape[0]:], fused[new_rows.shape[0]:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cached_prefix_and_chunked_prefill_match_hf(workdir: Path, arch: str) -> None:
     """A request reusing another's latent slots for a 32-token prefix, and a prompt prefilled in 3 chunks."""
     _, model, hf, prompts, _ = tiny(workdir, arch)

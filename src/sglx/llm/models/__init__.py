@@ -82,6 +82,9 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str, device: str | t
         fill_dummy_weights(model, seed)
     else:
         load_safetensors_weights(model, Path(model_path).expanduser(), show_progress)
+    weights_loaded = getattr(model, "weights_loaded", None)
+    if callable(weights_loaded):  # layout changes that need the loaded values (e.g. fusing two projections)
+        weights_loaded()
     return model, config
 
 

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
@@ -71,14 +72,46 @@ class DeepseekMLAttention(nn.Module):
                                  qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
                                  kv_lora_rank=mla.kv_lora_rank, scaling=mla.softmax_scale(config.rope_scaling))
         self._rotate: Callable[..., torch.Tensor] = rotate_interleaved if mla.rope_interleave else rotate_neox
+        self._fused_in: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_input_projections
+
+    def fuse_input_projections(self) -> None:
+        """After loading: q_proj (or q_a_proj) and kv_a_proj_with_mqa both read the layer's input, so their weights
+        (and biases, zeros where one has none) move into one tensor, the two parameters become views of it, and
+        forward runs one GEMM instead of two (one launch less a layer; loading into the parameters still works)."""
+        q_lin = self.q_a_proj if self.mla.q_lora_rank else self.q_proj
+        kv_lin = self.kv_a_proj_with_mqa
+        q_out = q_lin.weight.shape[0]
+        with torch.no_grad():
+            weight = torch.cat([q_lin.weight, kv_lin.weight])
+            bias = None
+            if q_lin.bias is not None or kv_lin.bias is not None:
+                bias = torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                                  for lin in (q_lin, kv_lin)])
+        q_lin.weight.data, kv_lin.weight.data = weight[:q_out], weight[q_out:]
+        if bias is not None:
+            for lin, part in ((q_lin, bias[:q_out]), (kv_lin, bias[q_out:])):
+                if lin.bias is not None:
+                    lin.bias.data = part
+        self._fused_in = (weight, bias)
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once fuse_input_projections ran."""
+        if self._fused_in is None:
+            q_lin = self.q_a_proj if self.mla.q_lora_rank else self.q_proj
+            return q_lin(x), self.kv_a_proj_with_mqa(x)
+        weight, bias = self._fused_in
+        latent = self.mla.latent_dim
+        return F.linear(x, weight, bias).split([weight.shape[0] - latent, latent], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         spec, mla = self.spec, self.mla
         tokens = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if mla.q_lora_rank else self.q_proj(x)
+        q, kv_a = self._input_projections(x)
+        if mla.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(tokens, spec.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         stored = False
         if use_fused(x):  # one launch, in place, bit-identical to the torch path below; with an MLA pool it also
             from sglx.llm.kernels.mla_rotary import apply_mla_rotary_  # norms c_kv and stores the latent row
@@ -164,6 +197,11 @@ class DeepseekV2ForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def weights_loaded(self) -> None:
+        """Called by load_model once the weights are in: fuse each layer's two input projections."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_input_projections()
 
     def cuda_graph_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why decode cannot be captured in CUDA graphs with these weights here, or None."""
