@@ -138,6 +138,31 @@ def test_split_query_halves_read_in_place_equal_the_concatenated_query():
                              torch.empty(2, heads, 3, r), torch.empty(2, heads, 3), 0.3, r, q_pe=q_pe, interpret=True)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_per_head_gemv_matches_float64_for_both_mla_products(tokens):
+    """absorb (x [T, H, dn] strided, W_UK [H, dn, r]) and W_UV (o [T, H, r], W_UV^T: a transposed view) against
+    float64; widths that are not powers of two; the bmm path of absorb_q / apply_uv agrees."""
+    from sglx.attention.kernels.per_head_gemv import per_head_gemv
+
+    gen = torch.Generator().manual_seed(tokens)
+    heads, dn, dv, r = 3, 12, 10, 40
+    spec = MLALayerSpec(0, heads, dn, 4, dv, r, 0.5)
+    proj = MLAProjections.from_kv_b_proj(torch.randn(heads * (dn + dv), r, generator=gen), spec)
+    q = torch.randn(tokens, heads, dn + 4, generator=gen)[..., :dn]  # q_nope: a slice, as the model passes it
+    got = absorb_q(q, proj, kernel=True, interpret=True)
+    torch.testing.assert_close(got.double(), torch.einsum("thd,hdr->thr", q.double(), proj.w_uk.double()),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, absorb_q(q, proj), rtol=1e-5, atol=1e-5)
+    o = torch.randn(tokens, heads, r, generator=gen)
+    out = torch.full((tokens, heads, dv), float("nan"))
+    assert apply_uv(o, proj, out, kernel=True, interpret=True) is out
+    torch.testing.assert_close(out.double(), torch.einsum("thr,hvr->thv", o.double(), proj.w_uv.double()),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, apply_uv(o, proj), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        per_head_gemv(o, proj.w_uk, interpret=True)
+
+
 def test_apply_uv_into_a_contiguous_output_equals_the_view():
     gen = torch.Generator().manual_seed(4)
     proj = MLAProjections.from_kv_b_proj(torch.randn(3 * (5 + 7), 16, generator=gen),

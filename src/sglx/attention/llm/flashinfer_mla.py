@@ -169,11 +169,12 @@ class FlashInferMLABackend(MLAAttentionBackend):
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec, proj: MLAProjections,
                 batch: ForwardBatch) -> torch.Tensor:
         buf = batch.token_kv_pool.kv_buffer[layer.layer_id]  # type: ignore[union-attr]  # [slots, 1, R + DR]
-        q_abs = absorb_q(q_nope, proj).contiguous()
+        q_abs = absorb_q(q_nope, proj, kernel=True).contiguous()
         plan = self._ensure_planned(layer, q_abs.dtype, buf.dtype)
         o_latent = plan.wrapper.run(q_abs, q_pe.contiguous(), buf[..., :layer.kv_lora_rank],  # type: ignore[attr-defined]
                                     buf[..., layer.kv_lora_rank:])
-        return apply_uv(o_latent, proj, o_latent.new_empty((o_latent.shape[0], layer.num_heads, layer.v_head_dim)))
+        return apply_uv(o_latent, proj, o_latent.new_empty((o_latent.shape[0], layer.num_heads, layer.v_head_dim)),
+                        kernel=True)
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:

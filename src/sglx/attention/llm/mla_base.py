@@ -57,14 +57,31 @@ class MLAProjections:
         return cls(w[:, :spec.qk_nope_head_dim], w[:, spec.qk_nope_head_dim:])
 
 
-def absorb_q(q_nope: torch.Tensor, proj: MLAProjections) -> torch.Tensor:
-    """q_nope [T, H, dn] -> q_nope W_UK [T, H, r]: the query in latent space."""
+PER_HEAD_GEMV_TOKENS = 64  # = sglx.attention.kernels.per_head_gemv.MAX_TOKENS (that module imports triton)
+
+
+def absorb_q(q_nope: torch.Tensor, proj: MLAProjections, kernel: bool = False,
+             interpret: bool = False) -> torch.Tensor:
+    """q_nope [T, H, dn] -> q_nope W_UK [T, H, r]: the query in latent space. kernel: sglx's per-head GEMV
+    (a Triton kernel; faster than bmm for decode-sized T) on CUDA tensors (or interpreted) where T allows, for
+    backends that run Triton anyway."""
+    if kernel and (q_nope.is_cuda or interpret) and q_nope.shape[0] <= PER_HEAD_GEMV_TOKENS:
+        from sglx.attention.kernels.per_head_gemv import per_head_gemv
+
+        return per_head_gemv(q_nope, proj.w_uk, interpret=interpret)
     return torch.bmm(q_nope.transpose(0, 1), proj.w_uk).transpose(0, 1)
 
 
-def apply_uv(o_latent: torch.Tensor, proj: MLAProjections, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_uv(o_latent: torch.Tensor, proj: MLAProjections, out: torch.Tensor | None = None, kernel: bool = False,
+             interpret: bool = False) -> torch.Tensor:
     """Attention output in latent space [T, H, r] -> per-head values [T, H, dv], written into `out` when given
-    (a contiguous `out` makes the caller's reshape to [T, H * dv] a view, not a copy kernel)."""
+    (a contiguous `out` makes the caller's reshape to [T, H * dv] a view, not a copy kernel); kernel: as
+    absorb_q's."""
+    if kernel and (o_latent.is_cuda or interpret) and o_latent.shape[0] <= PER_HEAD_GEMV_TOKENS \
+            and o_latent.stride(-1) == 1:
+        from sglx.attention.kernels.per_head_gemv import per_head_gemv
+
+        return per_head_gemv(o_latent, proj.w_uv.transpose(1, 2), out, interpret=interpret)
     if out is None:
         return torch.bmm(o_latent.transpose(0, 1), proj.w_uv.transpose(1, 2)).transpose(0, 1)
     torch.bmm(o_latent.transpose(0, 1), proj.w_uv.transpose(1, 2), out=out.transpose(0, 1))

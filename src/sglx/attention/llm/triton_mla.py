@@ -64,14 +64,16 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
         assert meta is not None and meta.mid_o is not None and meta.mid_lse is not None, \
             "init_forward_metadata(batch) must run first"
         pool = batch.token_kv_pool
-        q_lat = absorb_q(q_nope, proj)  # the kernel reads q_lat and q_pe where they lie: no torch.cat
+        # the decode kernel reads q_lat and q_pe where they lie: no torch.cat
+        q_lat = absorb_q(q_nope, proj, kernel=True, interpret=self.interpret)
         o_latent = q_lat.new_empty((q_lat.shape[0], layer.num_heads, layer.kv_lora_rank))
         mla_decode_attention(
             q_lat, pool.kv_buffer[layer.layer_id], o_latent, meta.kv_indptr, meta.kv_indices,  # type: ignore[union-attr]
             meta.mid_o, meta.mid_lse, layer.scaling, layer.kv_lora_rank,
             kv_scale=pool.kv_scale[layer.layer_id], fp8_dtype=pool.fp8_dtype,  # type: ignore[union-attr]
             config=self.mla_config, interpret=self.interpret, q_pe=q_pe)
-        return apply_uv(o_latent, proj, q_lat.new_empty((q_lat.shape[0], layer.num_heads, layer.v_head_dim)))
+        return apply_uv(o_latent, proj, q_lat.new_empty((q_lat.shape[0], layer.num_heads, layer.v_head_dim)),
+                        kernel=True, interpret=self.interpret)
 
     def forward_mla_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
