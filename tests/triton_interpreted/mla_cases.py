@@ -161,6 +161,9 @@ def test_per_head_gemv_matches_float64_for_both_mla_products(tokens):
     torch.testing.assert_close(out, apply_uv(o, proj), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit"):
         per_head_gemv(o, proj.w_uk, interpret=True)
+    many = torch.randn(20, heads, r, generator=gen)  # two 16-token blocks, the second one masked
+    torch.testing.assert_close(per_head_gemv(many, proj.w_uv.transpose(1, 2), interpret=True).double(),
+                               torch.einsum("thr,hvr->thv", many.double(), proj.w_uv.double()), rtol=1e-5, atol=1e-5)
 
 
 def test_apply_uv_into_a_contiguous_output_equals_the_view():

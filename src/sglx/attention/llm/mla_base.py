@@ -57,7 +57,7 @@ class MLAProjections:
         return cls(w[:, :spec.qk_nope_head_dim], w[:, spec.qk_nope_head_dim:])
 
 
-PER_HEAD_GEMV_TOKENS = 64  # = sglx.attention.kernels.per_head_gemv.MAX_TOKENS (that module imports triton)
+PER_HEAD_GEMV_TOKENS = 16  # = sglx.attention.kernels.per_head_gemv.MAX_TOKENS (that module imports triton)
 
 
 def absorb_q(q_nope: torch.Tensor, proj: MLAProjections, kernel: bool = False,
