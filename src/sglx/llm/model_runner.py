@@ -141,7 +141,7 @@ class ModelRunner:
         self.prefill_graph: PrefillGraphPlan = prefill_graph_plan(
             self.cuda_graph.enabled, self.cuda_graph.why, self.selection.prefill,
             bool(self.backend.supports_prefill_cuda_graph), config.cuda_graph_max_prefill_tokens,
-            self.memory.context_length, self.tp.size)
+            self.memory.context_length, self.tp.size, mla=self.model_config.mla is not None)
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         # argmax of the latest forward's logits when a CUDA graph computed it (else None): the sampler's
         # greedy rows and bench one-batch read it instead of launching an argmax

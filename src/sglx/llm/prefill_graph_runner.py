@@ -58,8 +58,10 @@ class PrefillGraphPlan:
 
 
 def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: str, backend_supports: bool,
-                       max_tokens: int | None, context_length: int, tp_size: int) -> PrefillGraphPlan:
-    """Prefill graphs follow the decode graphs (device, --disable-cuda-graph, the model) plus their own limits."""
+                       max_tokens: int | None, context_length: int, tp_size: int, mla: bool = False
+                       ) -> PrefillGraphPlan:
+    """Prefill graphs follow the decode graphs (device, --disable-cuda-graph, the model) plus their own limits.
+    mla: the model uses multi-head latent attention (no MLA backend captures prefills yet)."""
     limit = DEFAULT_MAX_PREFILL_TOKENS if max_tokens is None else max_tokens
     limit = min(limit, context_length)
     why = ""
@@ -67,6 +69,9 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
         why = "--cuda-graph-max-prefill-tokens 0"
     elif not decode_graphs_on:
         why = decode_why
+    elif not backend_supports and mla:
+        why = (f"MLA prefill attention backend {backend_name} has no prefill graph support (no MLA backend has it "
+               "yet): prefills run eagerly")
     elif not backend_supports:
         why = (f"prefill attention backend {backend_name} has no prefill graph support (triton has it: "
                "--attention-backend triton, or --prefill-attention-backend triton with any decode backend "
