@@ -9,7 +9,10 @@ Weights are renormalized when norm_topk_prob (V3; V2 only with top_k > 1, where 
 as in DeepSeek's V2 code) and multiplied by routed_scaling_factor otherwise / afterwards (V3).
 On a CUDA/ROCm GPU the experts run as sglx's fused Triton MoE (`kernels/fused_moe.py`: pairs sorted by
 expert on the device, gate/up GEMM with SiLU fused, down GEMM times the routing weight; four launches,
-no host sync, so CUDA graphs capture it, in any dtype). Without it (SGLX_FUSED_KERNELS=0) they run as
+no host sync, so CUDA graphs capture it, in any dtype). The shared experts join those launches as experts
+E.. of weight 1 (their float32 output is summed with the routed ones before the one rounding), and V2's
+greedy softmax router of a decode-sized step is one more kernel (`kernels/moe_router.py`; for one token it
+also lays out the expert blocks, so the sort launch is skipped). Without it (SGLX_FUSED_KERNELS=0) they run as
 one grouped GEMM pair (`torch._grouped_mm`) where torch has its sync-free fast path (bfloat16 on CUDA
 SM90+); elsewhere, and on CPU, as one small GEMM pair per expert that received tokens (exact, HF's
 order, but it reads the token counts on the host, so no graphs).
