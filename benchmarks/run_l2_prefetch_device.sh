@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 14 (one device call, no carries): the L2 weight-prefetch probe, then Llama-3.1-8B one-batch (triton, page
 # 128, bs 1 and 64) with SGLX_L2_PREFETCH off / on, alternated, fresh process each; then budget variants.
+# The engine read SGLX_L2_PREFETCH only at 0277620 (removed in 99eb5ae): at any later commit the one-batch runs
+# here are the same code under different names; the probe still measures the prefetch itself.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160

@@ -167,6 +167,23 @@ def load_hf_model(model_dir: Path) -> Any:
 
 
 @torch.no_grad()
+def assert_paged_greedy_matches_hf(harness: Any, hf_model: Any, prompt: list[int], steps: int,
+                                   tol: float = 1e-4) -> None:
+    """One request through a PagedKVHarness: the prefill's logits of every prompt token, then `steps - 1` greedy
+    decode steps' logits, and the greedy tokens equal transformers'."""
+    row = harness.new_request()
+    logits = harness.extend([(row, prompt)], return_all_logits=True)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf_model(torch.tensor([prompt])).logits[0], atol=tol, rtol=tol)
+    tokens, ref = hf_greedy(hf_model, prompt, steps)
+    got = [int(logits[-1].argmax())]
+    for step in range(1, steps):
+        step_logits = harness.decode([(row, got[-1])])[0]
+        torch.testing.assert_close(step_logits, ref[step], atol=tol, rtol=tol)
+        got.append(int(step_logits.argmax()))
+    assert got == tokens
+
+
 def hf_greedy(hf_model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """HF `generate(do_sample=False)` without EOS stopping: (new tokens, per-step logits [steps, vocab])."""
     from transformers import GenerationConfig

@@ -292,7 +292,7 @@ def test_hybrid_prefill_torch_native_decode_triton():
 
 def test_tiny_deepseek_through_triton_mla_matches_transformers(tmp_path):
     """The whole model on the triton MLA backend (expanded extend, absorbed split-KV decode) vs HF logits."""
-    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from llm_test_utils import PagedKVHarness, assert_paged_greedy_matches_hf, load_hf_model, make_tiny_model
     from sglx.llm.models import load_model
 
     path = make_tiny_model(tmp_path, "deepseek_v3")
@@ -303,14 +303,4 @@ def test_tiny_deepseek_through_triton_mla_matches_transformers(tmp_path):
     kv = harness.kv_pool
     harness.backend = TritonMLABackend(BackendContext(torch.device("cpu"), torch.float32, model.config.num_heads, 1,
                                                       kv.latent_dim, 4, harness.req_pool, kv))
-    row = harness.new_request()
-    logits = harness.extend([(row, prompt)], return_all_logits=True)
-    with torch.no_grad():
-        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
-    tokens, ref = hf_greedy(hf, prompt, 6)
-    got = [int(logits[-1].argmax())]
-    for step in range(1, 6):
-        step_logits = harness.decode([(row, got[-1])])[0]
-        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
-        got.append(int(step_logits.argmax()))
-    assert got == tokens
+    assert_paged_greedy_matches_hf(harness, hf, prompt, 6)

@@ -69,7 +69,7 @@ def test_mla_rotary_store_writes_what_set_latent_writes(kv_cache_dtype, scale, d
 def test_tiny_deepseek_with_the_fused_rotary_and_store_matches_transformers(tmp_path, monkeypatch):
     """The model's GPU path for RoPE (q_pe and k_pe rotated in place, the latent row stored by the same kernel,
     the backend's own store skipped), here interpreted: logits and greedy tokens equal transformers'."""
-    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from llm_test_utils import PagedKVHarness, assert_paged_greedy_matches_hf, load_hf_model, make_tiny_model
     from sglx.attention.llm.mla_base import MLAAttentionBackend
     from sglx.llm.models import deepseek, load_model
 
@@ -81,17 +81,8 @@ def test_tiny_deepseek_with_the_fused_rotary_and_store_matches_transformers(tmp_
     hf = load_hf_model(path)
     prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
     harness = PagedKVHarness(model, page_size=4, max_requests=2, max_context=64)
-    row = harness.new_request()
-    logits = harness.extend([(row, prompt)], return_all_logits=True)
-    with torch.no_grad():
-        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
-    tokens, ref = hf_greedy(hf, prompt, 5)
-    got = [int(logits[-1].argmax())]
-    for step in range(1, 5):
-        step_logits = harness.decode([(row, got[-1])])[0]
-        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
-        got.append(int(step_logits.argmax()))
-    assert got == tokens and not stores  # every latent row came from the rotary kernel
+    assert_paged_greedy_matches_hf(harness, hf, prompt, 5)
+    assert not stores  # every latent row came from the rotary kernel
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

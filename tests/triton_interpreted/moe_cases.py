@@ -110,7 +110,7 @@ def test_align_sorts_pairs_stably_into_one_expert_blocks():
 def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeypatch):
     """The whole model (V3-shaped: sigmoid noaux_tc routing over groups, shared expert) with every MoE layer on
     the fused Triton experts, as on a GPU: logits and greedy tokens equal transformers'."""
-    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from llm_test_utils import PagedKVHarness, assert_paged_greedy_matches_hf, load_hf_model, make_tiny_model
     from sglx.llm.models import load_model
 
     calls = []
@@ -125,17 +125,7 @@ def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeyp
     hf = load_hf_model(path)
     prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
     harness = PagedKVHarness(model, page_size=4, max_requests=2, max_context=64)
-    row = harness.new_request()
-    logits = harness.extend([(row, prompt)], return_all_logits=True)
-    with torch.no_grad():
-        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
-    tokens, ref = hf_greedy(hf, prompt, 6)
-    got = [int(logits[-1].argmax())]
-    for step in range(1, 6):
-        step_logits = harness.decode([(row, got[-1])])[0]
-        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
-        got.append(int(step_logits.argmax()))
-    assert got == tokens
+    assert_paged_greedy_matches_hf(harness, hf, prompt, 6)
     assert calls and len(calls) == 2 * 6  # both MoE layers, prefill + 5 decode steps, all fused
 
 
@@ -190,7 +180,7 @@ def test_tiny_deepseek_on_the_gpu_moe_path_matches_transformers(tmp_path, monkey
     """The MoE layers on their GPU path, interpreted: the routed experts and the shared experts (as experts E..
     of weight 1) in fused_moe's launches; V2's greedy softmax routing in the fused router kernel, V3's sigmoid
     group routing in torch with the shared columns appended. Logits and greedy tokens equal transformers'."""
-    from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
+    from llm_test_utils import PagedKVHarness, assert_paged_greedy_matches_hf, load_hf_model, make_tiny_model
     from sglx.llm.kernels import moe_router
     from sglx.llm.layers import moe
     from sglx.llm.models import load_model
@@ -218,17 +208,7 @@ def test_tiny_deepseek_on_the_gpu_moe_path_matches_transformers(tmp_path, monkey
     hf = load_hf_model(path)
     prompt = [1, 57, 203, 99, 12, 310, 44, 8, 150, 77, 201, 5, 66]
     harness = PagedKVHarness(model, page_size=4, max_requests=2, max_context=64)
-    row = harness.new_request()
-    logits = harness.extend([(row, prompt)], return_all_logits=True)
-    with torch.no_grad():
-        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
-    tokens, ref = hf_greedy(hf, prompt, 6)
-    got = [int(logits[-1].argmax())]
-    for step in range(1, 6):
-        step_logits = harness.decode([(row, got[-1])])[0]
-        torch.testing.assert_close(step_logits, ref[step], atol=1e-4, rtol=1e-4)
-        got.append(int(step_logits.argmax()))
-    assert got == tokens
+    assert_paged_greedy_matches_hf(harness, hf, prompt, 6)
     moe_layers = sum(isinstance(layer.mlp, moe.DeepseekMoE) for layer in model.model.layers)
     one_token = arch == "deepseek_v2"
     assert moe_layers and shared_calls == [(True, False)] * moe_layers + [(True, one_token)] * (5 * moe_layers)
