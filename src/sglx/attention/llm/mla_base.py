@@ -60,12 +60,18 @@ class MLAProjections:
 PER_HEAD_GEMV_TOKENS = 16  # = sglx.attention.kernels.per_head_gemv.MAX_TOKENS (that module imports triton)
 
 
+def _per_head_kernel_applies(x: torch.Tensor, kernel: bool, interpret: bool) -> bool:
+    """Whether absorb_q / apply_uv take the per-head GEMV: asked for, CUDA (or interpreted), decode-sized T,
+    unit stride along the reduced dim."""
+    return kernel and (x.is_cuda or interpret) and x.shape[0] <= PER_HEAD_GEMV_TOKENS and x.stride(-1) == 1
+
+
 def absorb_q(q_nope: torch.Tensor, proj: MLAProjections, kernel: bool = False,
              interpret: bool = False) -> torch.Tensor:
     """q_nope [T, H, dn] -> q_nope W_UK [T, H, r]: the query in latent space. kernel: sglx's per-head GEMV
     (a Triton kernel; faster than bmm for decode-sized T) on CUDA tensors (or interpreted) where T allows, for
     backends that run Triton anyway."""
-    if kernel and (q_nope.is_cuda or interpret) and q_nope.shape[0] <= PER_HEAD_GEMV_TOKENS:
+    if _per_head_kernel_applies(q_nope, kernel, interpret):
         from sglx.attention.kernels.per_head_gemv import per_head_gemv
 
         return per_head_gemv(q_nope, proj.w_uk, interpret=interpret)
@@ -77,8 +83,7 @@ def apply_uv(o_latent: torch.Tensor, proj: MLAProjections, out: torch.Tensor | N
     """Attention output in latent space [T, H, r] -> per-head values [T, H, dv], written into `out` when given
     (a contiguous `out` makes the caller's reshape to [T, H * dv] a view, not a copy kernel); kernel: as
     absorb_q's."""
-    if kernel and (o_latent.is_cuda or interpret) and o_latent.shape[0] <= PER_HEAD_GEMV_TOKENS \
-            and o_latent.stride(-1) == 1:
+    if _per_head_kernel_applies(o_latent, kernel, interpret):
         from sglx.attention.kernels.per_head_gemv import per_head_gemv
 
         return per_head_gemv(o_latent, proj.w_uv.transpose(1, 2), out, interpret=interpret)

@@ -74,12 +74,16 @@ class DeepseekMLAttention(nn.Module):
         self._rotate: Callable[..., torch.Tensor] = rotate_interleaved if mla.rope_interleave else rotate_neox
         self._fused_in: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_input_projections
 
+    @property
+    def _q_in_proj(self) -> nn.Linear:
+        """The projection of the layer input on the query side: q_a_proj (q LoRA) or q_proj."""
+        return self.q_a_proj if self.mla.q_lora_rank else self.q_proj
+
     def fuse_input_projections(self) -> None:
         """After loading: q_proj (or q_a_proj) and kv_a_proj_with_mqa both read the layer's input, so their weights
         (and biases, zeros where one has none) move into one tensor, the two parameters become views of it, and
         forward runs one GEMM instead of two (one launch less a layer; loading into the parameters still works)."""
-        q_lin = self.q_a_proj if self.mla.q_lora_rank else self.q_proj
-        kv_lin = self.kv_a_proj_with_mqa
+        q_lin, kv_lin = self._q_in_proj, self.kv_a_proj_with_mqa
         q_out = q_lin.weight.shape[0]
         with torch.no_grad():
             weight = torch.cat([q_lin.weight, kv_lin.weight])
@@ -97,8 +101,7 @@ class DeepseekMLAttention(nn.Module):
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once fuse_input_projections ran."""
         if self._fused_in is None:
-            q_lin = self.q_a_proj if self.mla.q_lora_rank else self.q_proj
-            return q_lin(x), self.kv_a_proj_with_mqa(x)
+            return self._q_in_proj(x), self.kv_a_proj_with_mqa(x)
         weight, bias = self._fused_in
         latent = self.mla.latent_dim
         return F.linear(x, weight, bias).split([weight.shape[0] - latent, latent], dim=-1)
