@@ -14,6 +14,8 @@ w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -129,19 +131,38 @@ def _moe_sum_kernel(Y, Add, Out, top_k, hidden, stride_y, stride_add, stride_out
     tl.store(Out + t * stride_out + offs, out.to(dt), mask=mask)
 
 
-def _tiles(num_pairs: int, interpret: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks for decode (each expert gets few
-    rows; many column tiles keep every SM reading weights), bigger ones once experts get many rows."""
+@dataclass(frozen=True)
+class GemmLaunch:
+    """One expert GEMM's launch: output columns and K per step of a program, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """Rows per expert block (both GEMMs share the blocks), then each GEMM's launch."""
+
+    block_m: int
+    gate_up: GemmLaunch
+    down: GemmLaunch
+
+
+def default_tiles(num_pairs: int, interpret: bool) -> MoETiles:
+    """Small row blocks for decode (each expert gets few rows; many column tiles keep every SM reading
+    weights), bigger ones once experts get many rows."""
     if interpret:
-        return 16, 32, 32, 1, 1
+        return MoETiles(16, GemmLaunch(32, 32, 1, 1), GemmLaunch(32, 32, 1, 1))
     if num_pairs <= 1024:
-        return 16, 64, 128, 4, 4
-    return 64, 128, 64, 8, 3
+        return MoETiles(16, GemmLaunch(64, 128, 4, 4), GemmLaunch(64, 128, 4, 4))
+    return MoETiles(64, GemmLaunch(128, 64, 8, 3), GemmLaunch(128, 64, 8, 3))
 
 
 def moe_block_m(pairs: int, interpret: bool = False) -> int:
     """Rows per expert block fused_moe uses for this many (token, choice) pairs (what `aligned` must have)."""
-    return _tiles(pairs, interpret)[0]
+    return default_tiles(pairs, interpret).block_m
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,7 +183,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               interpret: bool = False, add: torch.Tensor | None = None,
               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-              aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              tiles: MoETiles | None = None, unsummed: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]
     (+ `add` [T, H], e.g. the shared experts' output, added after the sum is rounded to x's dtype).
 
@@ -170,12 +192,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     as experts E..E+S-1, each I-wide slice of the shared MLP one of them (the MLP is the sum of its slices);
     ids/weights then carry them (ids E + s, weight 1), so their GEMMs run in the routed experts' launches.
     aligned: moe_align's result for these ids at `moe_block_m(pairs)` rows, made already (the fused router does
-    it for one token), so that launch is skipped."""
+    it for one token), so that launch is skipped. tiles: the GEMMs' launch (None: `default_tiles`).
+    unsummed: return the float32 per-choice rows [T * k, H] instead (row t * k + j: choice j of token t,
+    weighted), for a consumer that sums them itself (`rmsnorm.fused_add_rms_norm(..., top_k=k)`); no `add` then."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, two_i, _ = w13.shape
     inter_size = two_i // 2
     num_routed = experts
+    if unsummed and add is not None:
+        raise ValueError("fused_moe: `add` joins the top-k sum, which unsummed=True leaves to the caller")
     if shared is not None:
         s_gate_up, s_down = shared
         n_shared = s_down.shape[1] // inter_size
@@ -186,9 +212,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         experts += n_shared
     pairs = tokens * top_k
     if pairs == 0:
+        if unsummed:
+            return torch.zeros((0, hidden), dtype=torch.float32, device=x.device)
         return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
-    block_m, block_n, block_k, warps, stages = _tiles(pairs, interpret)
+    tiles = tiles or default_tiles(pairs, interpret)
+    block_m, up, down = tiles.block_m, tiles.gate_up, tiles.down
     sorted_ids, block_expert, block_rows = aligned if aligned is not None else moe_align(ids, experts, block_m)
     if sorted_ids.numel() != block_expert.numel() * block_m:
         raise ValueError(f"aligned blocks of {sorted_ids.numel() // max(1, block_expert.numel())} rows, "
@@ -200,19 +229,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     s13, s13_strides = (s_gate_up, (inter_size * s_gate_up.stride(0), s_gate_up.stride(0), n_shared * inter_size)
                         ) if shared is not None else (w13, (0, 0, 0))
     s2, s2_strides = (s_down, (inter_size, s_down.stride(0))) if shared is not None else (w2, (0, 0))
-    _moe_gemm_kernel[(blocks, triton.cdiv(inter_size, block_n))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(inter_size, up.block_n))](
         x, w13, inter, sorted_ids, block_expert, block_rows, x, s13,
         inter_size, hidden, inter_size, top_k, num_routed, s13_strides[2],
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), s13_strides[0], s13_strides[1],
-        FUSE_SILU=True, ROUTED=False, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        FUSE_SILU=True, ROUTED=False, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m,
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps, num_stages=up.num_stages)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, block_n))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
         inter, w2, y, sorted_ids, block_expert, block_rows, weights.reshape(-1).float().contiguous(), s2,
         hidden, inter_size, 0, 1, num_routed, 0,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), s2_strides[0], s2_strides[1],
-        FUSE_SILU=False, ROUTED=True, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        FUSE_SILU=False, ROUTED=True, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m,
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps, num_stages=down.num_stages)
+    if unsummed:
+        return y
     out = torch.empty_like(x)
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()

@@ -27,6 +27,7 @@ from torch import nn
 from sglx.llm.deepseek_config import MoEConfig
 from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
+from sglx.llm.layers.norm import UnsummedRows
 
 ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
 
@@ -111,15 +112,16 @@ class RoutedExperts(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       add: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      aligned: tuple | None = None) -> torch.Tensor:
+                      aligned: tuple | None = None, unsummed: bool = False) -> torch.Tensor:
         """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
         `add` joins in the kernel that sums the top-k outputs; `shared` (gate_up, down weights of the shared
         experts) runs them as experts E.. in the same launches (ids/weights carry them: fused_moe); `aligned`:
-        the expert blocks the fused router already laid out."""
+        the expert blocks the fused router already laid out; `unsummed`: the float32 per-choice rows, not summed
+        (fused_moe's `unsummed`)."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
         return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add,
-                         shared=shared, aligned=aligned)
+                         shared=shared, aligned=aligned, unsummed=unsummed)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
@@ -202,7 +204,10 @@ class DeepseekMoE(nn.Module):
             tickets = self._tickets = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
         return tickets
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedRows:
+        """The layer's output [T, H]; with `unsummed`, where the fused experts run with the shared ones inside
+        them, the weighted per-choice rows instead (`UnsummedRows`: the next `RMSNorm.add_and_norm` sums them in
+        its own kernel, one launch less a layer)."""
         mlp = self.shared_experts
         if not fused_moe_applies(x.device):
             weights, ids, _ = self.route(x)
@@ -210,7 +215,8 @@ class DeepseekMoE(nn.Module):
         if mlp is not None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None:
             # the shared experts inside the routed experts' launches
             weights, ids, aligned = self.route(x, self.cfg.n_shared_experts)
-            return self.experts.forward_fused(x, weights, ids, shared=(mlp.gate_up_proj.weight, mlp.down_proj.weight),
-                                              aligned=aligned)
+            out = self.experts.forward_fused(x, weights, ids, shared=(mlp.gate_up_proj.weight, mlp.down_proj.weight),
+                                             aligned=aligned, unsummed=unsummed)
+            return UnsummedRows(out, ids.shape[1]) if unsummed else out
         weights, ids, aligned = self.route(x)
         return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned)

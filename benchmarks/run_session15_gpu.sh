@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Session 15 device stages (one `run` call each; carry .old_src for stage ab):
+#   sweep  fused-MoE launch sweep at DeepSeek-V2-Lite's decode shapes (benchmarks/sweep_fused_moe.py) and the MLA
+#          decode kernel at batch 1 (16 heads, 544 keys: what the V2-Lite bs1 step runs) over split sizes and tiles
+#   tests  GPU tests of what session 15 changed (fused MoE / norm, MLA engine and graphs, fused layers)
+#   ab     DeepSeek-V2-Lite one-batch (bs 1, 32): this tree against .old_src (session 14's src), alternated
+#          (DS_VARIANTS), then the step's kernel table of this tree (DS_STEP)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=160
+stage=${1:?stage: sweep | tests | ab}
+if [ "$stage" = sweep ]; then
+  PYTHONPATH=src timeout 280 python3 benchmarks/sweep_fused_moe.py --budget-s 240 --out "$OUT/sweep_fused_moe.json" \
+    2>&1 | tail -6
+  PYTHONPATH=src timeout 200 python3 benchmarks/bench_mla_decode.py --batch 1 --heads 16 --context 544 --pages 1 \
+    --kv-cache-dtypes auto --sweep ${MLA_SWEEP:-min_chunk=16,32,64 block_n=16,32 num_stages=1,2 num_warps=2,4} \
+    --out "$OUT/mla_bs1_sweep.json" > /dev/null 2>&1 || echo "mla sweep failed or cut"
+  python3 -c "
+import json
+for e in json.load(open('$OUT/mla_bs1_sweep.json'))['results']:
+    rows = sorted((r for r in e['routes'] if 'ms' in r), key=lambda r: r['ms'])
+    for r in rows[:8]: print(round(r['ms'] * 1e3, 2), 'us', r['route'][:150])
+    d = [r for r in e['routes'] if '(default)' in r['route'] and 'ms' in r]
+    print('default', [round(r['ms'] * 1e3, 2) for r in d])
+" || true
+fi
+if [ "$stage" = tests ]; then
+  timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_fused_layers_gpu.py \
+    ${TEST_EXTRA:-} 2>&1 | tail -15
+fi
+if [ "$stage" = ab ]; then
+  DS="--model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1,32
+   --input-len 512 --output-len 32"
+  show() { python3 -c "
+import json
+for r in json.load(open('$1'))['results']:
+    print('$2', 'bs', r['batch_size'], 'decode', round(r['decode_step_ms_median'],3), 'device', round(r['decode_step_device_ms_median'],3), 'x floor', round(r['ratio_to_floor'],3))
+" || echo "$2 failed"; }
+  for v in ${DS_VARIANTS:-new_a old_a old_b new_b}; do
+    src=src; [ "${v%_*}" = old ] && src=.old_src/src
+    # shellcheck disable=SC2086
+    PYTHONPATH=$src timeout 170 python3 -m sglx bench one-batch $DS --output "$OUT/ds_$v.json" > /dev/null 2>&1
+    show "$OUT/ds_$v.json" "v2lite $v"
+  done
+  for v in ${DS_STEP:-}; do  # the step's kernel table: this tree (new) and/or session 14's (old)
+    src=src; [ "$v" = old ] && src=.old_src/src
+    PYTHONPATH=$src timeout 200 python3 benchmarks/bench_deepseek_step.py --out "$OUT/deepseek_step_$v.json" \
+      > /dev/null 2>&1 || echo "deepseek step $v failed"
+    python3 -c "
+import json
+d = json.load(open('$OUT/deepseek_step_$v.json'))['model']['profiles']['1']
+print('$v bs1 kernels us/step', round(d['kernel_us_per_step']))
+for k in d['top']: print('  ', k['calls_per_step'], round(k['us_per_step'], 1), k['name'][:70])
+" || true
+  done
+fi
