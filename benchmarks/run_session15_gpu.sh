@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 15 device stages (one `run` call each; carry .old_src for stage ab):
-#   sweep  fused-MoE launch sweep at DeepSeek-V2-Lite's decode shapes (benchmarks/sweep_fused_moe.py) and the MLA
-#          decode kernel at batch 1 (16 heads, 544 keys: what the V2-Lite bs1 step runs) over split sizes and tiles
+#   sweep  fused-MoE launch sweep at DeepSeek-V2-Lite's decode shapes (benchmarks/sweep_fused_moe.py; MOE_SWEEP=0
+#          skips it) and the MLA decode kernel at batches 1-4 with V2-Lite's 16 heads (sweep_mla_small_batch.py:
+#          one graph of a call per layer), over split sizes and tiles
 #   tests  GPU tests of what session 15 changed (fused MoE / norm, MLA engine and graphs, fused layers)
 #   ab     DeepSeek-V2-Lite one-batch (bs 1, 32): this tree against .old_src (session 14's src), alternated
 #          (DS_VARIANTS), then the step's kernel table of this tree (DS_STEP)
@@ -10,22 +11,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 stage=${1:?stage: sweep | tests | ab}
 if [ "$stage" = sweep ]; then
-  PYTHONPATH=src timeout 280 python3 benchmarks/sweep_fused_moe.py --budget-s 240 --out "$OUT/sweep_fused_moe.json" \
+  [ "${MOE_SWEEP:-1}" = 1 ] && PYTHONPATH=src timeout 280 python3 benchmarks/sweep_fused_moe.py --budget-s 240 --out "$OUT/sweep_fused_moe.json" \
     2>&1 | tail -6
-  PYTHONPATH=src timeout 200 python3 benchmarks/bench_mla_decode.py --batch 1 --heads 16 --context 544 --pages 1 \
-    --kv-cache-dtypes auto --sweep ${MLA_SWEEP:-min_chunk=16,32,64 block_n=16,32 num_stages=1,2 num_warps=2,4} \
-    --out "$OUT/mla_bs1_sweep.json" > /dev/null 2>&1 || echo "mla sweep failed or cut"
-  python3 -c "
-import json
-for e in json.load(open('$OUT/mla_bs1_sweep.json'))['results']:
-    rows = sorted((r for r in e['routes'] if 'ms' in r), key=lambda r: r['ms'])
-    for r in rows[:8]: print(round(r['ms'] * 1e3, 2), 'us', r['route'][:150])
-    d = [r for r in e['routes'] if '(default)' in r['route'] and 'ms' in r]
-    print('default', [round(r['ms'] * 1e3, 2) for r in d])
-" || true
+  # shellcheck disable=SC2086
+  PYTHONPATH=src timeout 240 python3 benchmarks/sweep_mla_small_batch.py --out "$OUT/mla_small_batch.json" \
+    --sweep ${MLA_SWEEP:-min_chunk=16,32,64 block_n=16,32 num_stages=1,2 num_warps=2,4} 2>&1 | tail -45
 fi
 if [ "$stage" = tests ]; then
-  timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_fused_layers_gpu.py \
+  PYTHONPATH=src timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_fused_layers_gpu.py \
     ${TEST_EXTRA:-} 2>&1 | tail -15
 fi
 if [ "$stage" = ab ]; then

@@ -142,8 +142,8 @@ def test_greedy_router_matches_float64_softmax_topk(tokens, experts, top_k, hidd
     x = torch.randn(tokens, hidden, generator=gen)
     w = torch.randn(experts, hidden, generator=gen)
     tickets = torch.zeros(8, dtype=torch.int32)
-    weights, ids, aligned = greedy_router(x, w, top_k, renorm, scale, tickets, interpret=True)
-    assert aligned is None
+    weights, ids, aligned, normed = greedy_router(x, w, top_k, renorm, scale, tickets, interpret=True)
+    assert aligned is None and normed is None
     assert not tickets.any()  # left zero for the next launch (CUDA graph replays)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, top_k)
     scores = (x.double() @ w.double().T).softmax(-1)
@@ -163,9 +163,9 @@ def test_greedy_router_takes_the_lowest_index_on_ties_and_rejects_a_bad_k():
     x = torch.ones(1, 16)
     w = torch.zeros(8, 16)
     w[[2, 5, 6]] = 1.0  # three equal best experts
-    _, ids, _ = greedy_router(x, w, 2, False, 1.0, interpret=True)
+    _, ids, _, _ = greedy_router(x, w, 2, False, 1.0, interpret=True)
     assert ids.tolist() == [[2, 5]]
-    weights, ids, _ = greedy_router(x, w, 2, False, 1.0, interpret=True, shared=3)  # + experts 8, 9, 10 of weight 1
+    weights, ids, _, _ = greedy_router(x, w, 2, False, 1.0, interpret=True, shared=3)  # + experts 8, 9, 10 of weight 1
     assert ids.tolist() == [[2, 5, 8, 9, 10]] and weights[0, 2:].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="top_k 9"):
         greedy_router(x, w, 9, False, 1.0, interpret=True)
@@ -173,6 +173,37 @@ def test_greedy_router_takes_the_lowest_index_on_ties_and_rejects_a_bad_k():
         greedy_router(torch.ones(2, 16), w, 2, False, 1.0, interpret=True, align_block_m=16)
     with pytest.raises(ValueError, match="router tickets"):
         greedy_router(torch.ones(3, 16), w, 2, False, 1.0, torch.zeros(2, dtype=torch.int32), interpret=True)
+    with pytest.raises(ValueError, match="add_norm"):
+        greedy_router(x, w, 2, False, 1.0, interpret=True, add_norm=(torch.ones(2, 16), torch.ones(16), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 40), (3, 16)])
+def test_greedy_router_with_add_norm_routes_the_normed_row(tokens, hidden, dtype):
+    """add_norm: the router forms residual + x and its RMSNorm as fused_add_rms_norm does (the new residual
+    bit-equal, the normed row within one rounding step: another float32 summation order) and routes that row:
+    the same experts and weights as routing fused_add_rms_norm's output."""
+    from sglx.llm.kernels.moe_router import greedy_router
+    from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
+
+    experts, top_k = 16, 3
+    gen = torch.Generator().manual_seed(hidden + tokens)
+    delta = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = (3 * torch.randn(tokens, hidden, generator=gen)).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    w = torch.randn(experts, hidden, generator=gen).to(dtype)
+    tickets = torch.zeros(4, dtype=torch.int32)
+    weights, ids, _, normed = greedy_router(delta, w, top_k, True, 1.0, tickets, interpret=True, shared=1,
+                                            add_norm=(residual, norm_w, 1e-6))
+    want_h, want_r = fused_add_rms_norm(delta, residual, norm_w, 1e-6)
+    h, new_residual = normed
+    assert torch.equal(new_residual, want_r)
+    step = torch.finfo(dtype).eps * want_h.abs().float().clamp_min(1e-3)
+    assert ((h.float() - want_h.float()).abs() <= step + 1e-6).all()
+    want_w, want_ids, _, _ = greedy_router(want_h, w, top_k, True, 1.0, interpret=True, shared=1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-3, atol=1e-5)
+    assert not tickets.any()
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
@@ -250,7 +281,7 @@ def test_router_blocks_for_one_token_drive_fused_moe_as_moe_align_does(shared):
     s_weights = (torch.randn(2 * shared * inter, hidden, generator=gen), torch.randn(hidden, shared * inter,
                  generator=gen)) if shared else None
     block_m = moe_block_m(top_k + shared, interpret=True)
-    weights, ids, aligned = greedy_router(x, gate, top_k, True, 1.0, interpret=True, shared=shared,
+    weights, ids, aligned, _ = greedy_router(x, gate, top_k, True, 1.0, interpret=True, shared=shared,
                                           align_block_m=block_m)
     sorted_ids, block_expert, block_rows = aligned
     assert block_expert.tolist() == ids[0].tolist() and block_rows.tolist() == [1] * (top_k + shared)

@@ -36,7 +36,7 @@ __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode
 # compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and on the H100 (session
 # 7, B64 H128 ctx 4096) it took 0.492 ms against the 16-head launch's 1.383 ms with the same error, so it is the
 # fp8 default too (benchmarks/bench_mla_decode.py still times both).
-WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1)
+WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1, min_chunk=64)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class MLADecodeConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    min_chunk: int = 64  # fewest keys a split is worth
+    min_chunk: int | None = None  # fewest keys a split is worth
     waves: int | None = None  # stage-1 programs aimed at per SM when choosing the number of splits
     one_split_fill: float = 0.9  # one split once bs x head blocks programs reach this fraction of the SMs
 
@@ -58,11 +58,15 @@ def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch
     wide = (not interpret and heads >= 64 and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device) >= (9, 0))
     if interpret:
-        defaults = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, waves=4)
+        defaults = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, waves=4, min_chunk=64)
     elif wide:
         defaults = WIDE_LAUNCH
     else:
-        defaults = dict(block_h=16, block_n=32, num_warps=4, num_stages=1 if torch.version.hip else 2, waves=4)
+        # 32-key splits: H100, 16 heads (DeepSeek-V2-Lite), one graph of a call per layer (session 15,
+        # benchmarks/results/mla_small_batch_h100_s15.json): batch 1 at 544 keys 9.50 us a call against 12.13 with
+        # 64-key splits, 2048 keys 11.14 against 13.58; batch 4 at 2048 keys even (15.47 / 15.32)
+        defaults = dict(block_h=16, block_n=32, num_warps=4, num_stages=1 if torch.version.hip else 2, waves=4,
+                        min_chunk=32)
     return replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from sglx.llm.deepseek_config import MoEConfig
 from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
-from sglx.llm.layers.norm import UnsummedRows
+from sglx.llm.layers.norm import RMSNorm, UnsummedRows
 
 ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
 
@@ -170,21 +170,31 @@ class DeepseekMoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self._tickets: torch.Tensor | None = None  # the fused router's (see _router_tickets)
 
-    def route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-        """(weights [T, k + shared] float32, expert ids [T, k + shared], fused_moe's expert blocks or None): the
-        top k, then `shared` always-chosen experts E.. of weight 1. One fused launch for the greedy softmax
-        router of decode-sized steps on a GPU (sglx.llm.kernels.moe_router; for one token it lays out the expert
-        blocks too), else select_experts on float32 logits."""
+    def _fused_router_applies(self, x: torch.Tensor) -> bool:
+        """V2's greedy softmax router on a decode-sized step on a GPU: one launch (sglx.llm.kernels.moe_router)."""
         cfg = self.cfg
-        if (cfg.topk_method == "greedy" and cfg.scoring_func == "softmax" and fused_moe_applies(x.device)
-                and x.shape[0] <= ROUTER_MAX_TOKENS):
+        return (cfg.topk_method == "greedy" and cfg.scoring_func == "softmax" and fused_moe_applies(x.device)
+                and x.shape[0] <= ROUTER_MAX_TOKENS)
+
+    def route(self, x: torch.Tensor, shared: int = 0, add_norm: tuple | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple | None]:
+        """(weights [T, k + shared] float32, expert ids [T, k + shared], fused_moe's expert blocks or None,
+        (normed x, new residual) or None): the top k, then `shared` always-chosen experts E.. of weight 1. One
+        fused launch where `_fused_router_applies` (for one token it lays out the expert blocks too; with
+        add_norm = (residual, norm weight, eps) it also forms the routed row RMSNorm(residual + x) and returns
+        it), else select_experts on float32 logits (no add_norm there)."""
+        cfg = self.cfg
+        if self._fused_router_applies(x):
             from sglx.llm.kernels.fused_moe import moe_block_m
             from sglx.llm.kernels.moe_router import greedy_router
 
             k = cfg.num_experts_per_tok
             align = moe_block_m(k + shared, x.device.type == "cpu") if x.shape[0] == 1 else 0
             return greedy_router(x, self.gate.weight, k, k > 1 and cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                 self._router_tickets(x.device), shared=shared, align_block_m=align)
+                                 self._router_tickets(x.device), shared=shared, align_block_m=align,
+                                 add_norm=add_norm)
+        if add_norm is not None:
+            raise ValueError("add_norm needs the fused router (V2's greedy softmax routing on a GPU)")
         logits = F.linear(x.float(), self.gate.weight.float())
         bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, ids = select_experts(logits, cfg, bias.float() if bias is not None else None)
@@ -192,7 +202,7 @@ class DeepseekMoE(nn.Module):
             extra = torch.arange(cfg.n_routed_experts, cfg.n_routed_experts + shared, device=ids.device)
             ids = torch.cat([ids, extra.to(ids.dtype).expand(ids.shape[0], shared)], dim=1)
             weights = torch.cat([weights, weights.new_ones(weights.shape[0], shared)], dim=1)
-        return weights, ids, None
+        return weights, ids, None, None
 
     def _router_tickets(self, device: torch.device) -> torch.Tensor | None:
         """int32 zeros the fused router leaves zero, kept across steps; made outside any CUDA-graph capture (one
@@ -204,19 +214,43 @@ class DeepseekMoE(nn.Module):
             tickets = self._tickets = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
         return tickets
 
+    def _shared_in_kernel(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared experts' (gate_up, down) weights where they can run inside fused_moe's launches."""
+        mlp = self.shared_experts
+        if mlp is None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        return mlp.gate_up_proj.weight, mlp.down_proj.weight
+
     def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedRows:
         """The layer's output [T, H]; with `unsummed`, where the fused experts run with the shared ones inside
         them, the weighted per-choice rows instead (`UnsummedRows`: the next `RMSNorm.add_and_norm` sums them in
         its own kernel, one launch less a layer)."""
         mlp = self.shared_experts
         if not fused_moe_applies(x.device):
-            weights, ids, _ = self.route(x)
+            weights, ids, _, _ = self.route(x)
             return self.experts(x, weights, ids, add=mlp(x) if mlp is not None else None)
-        if mlp is not None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None:
-            # the shared experts inside the routed experts' launches
-            weights, ids, aligned = self.route(x, self.cfg.n_shared_experts)
-            out = self.experts.forward_fused(x, weights, ids, shared=(mlp.gate_up_proj.weight, mlp.down_proj.weight),
-                                             aligned=aligned, unsummed=unsummed)
-            return UnsummedRows(out, ids.shape[1]) if unsummed else out
-        weights, ids, aligned = self.route(x)
+        shared = self._shared_in_kernel()
+        if shared is not None:
+            weights, ids, aligned, _ = self.route(x, self.cfg.n_shared_experts)
+            return self._fused_with_shared(x, weights, ids, aligned, shared, unsummed)
+        weights, ids, aligned, _ = self.route(x)
         return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned)
+
+    def forward_after_norm(self, delta: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                           ) -> tuple[torch.Tensor | UnsummedRows, torch.Tensor]:
+        """(forward(h, unsummed=True), residual + delta) for h = norm(residual + delta): the decoder layer's
+        post-attention add-and-norm and this layer in one call. Where the fused router runs with the shared
+        experts in fused_moe (V2-Lite's decode), the add and the norm happen inside the router's launch."""
+        shared = self._shared_in_kernel()
+        if (shared is not None and self._fused_router_applies(delta) and delta.shape == residual.shape
+                and norm.weight.dtype == delta.dtype == residual.dtype):
+            weights, ids, aligned, (h, residual) = self.route(delta, self.cfg.n_shared_experts,
+                                                              add_norm=(residual, norm.weight, norm.eps))
+            return self._fused_with_shared(h, weights, ids, aligned, shared, True), residual
+        h, residual = norm.add_and_norm(delta, residual)
+        return self.forward(h, unsummed=True), residual
+
+    def _fused_with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, aligned: tuple | None,
+                           shared: tuple[torch.Tensor, torch.Tensor], unsummed: bool) -> torch.Tensor | UnsummedRows:
+        out = self.experts.forward_fused(x, weights, ids, shared=shared, aligned=aligned, unsummed=unsummed)
+        return UnsummedRows(out, ids.shape[1]) if unsummed else out

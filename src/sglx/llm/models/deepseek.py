@@ -164,9 +164,10 @@ class DeepseekDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos, sin, batch), residual)
-        if isinstance(self.mlp, DeepseekMoE):
-            return self.mlp(h, unsummed=True), residual
+        attn = self.self_attn(h, cos, sin, batch)
+        if isinstance(self.mlp, DeepseekMoE):  # the post-attention norm may run inside its router
+            return self.mlp.forward_after_norm(attn, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 

@@ -1,0 +1,116 @@
+"""Triton MLA decode launches at small batches, timed as a decode step runs them: one CUDA graph of one call per
+layer, each layer on its own latent buffer (no L2 reuse between calls), replayed; time per call = replay / layers.
+
+Why: the V2-Lite batch-1 step spends about 12 us a layer in MLA decode (stage 1 + merge) for 544 keys, and single
+launches of a ~10 us kernel timed with events are dominated by launch noise (benchmarks/bench_mla_decode.py's
+sweep at batch 1 spread 20-158 us for near-identical configs). Each config is checked against float64 first
+(bf16 max abs error <= 3e-2). Usage (GPU):
+
+    PYTHONPATH=src python3 benchmarks/sweep_mla_small_batch.py --out $OUT/mla_small_batch.json \
+        --sweep min_chunk=16,32,64 block_n=16,32 num_stages=1,2 num_warps=2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import triton
+
+from sglx.attention.kernels.common import num_sms
+from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_num_splits, resolve_config
+from sglx.bench.timing import TimingBudget, median_ms
+
+R, DR = 512, 64
+
+
+def run_case(batch: int, heads: int, context: int, layers: int, configs: list[MLADecodeConfig],
+             device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    slots = batch * context + 1
+    kv = torch.randn(layers, slots, 1, R + DR, device=device, dtype=dt, generator=gen)
+    kv_indices = (torch.randperm(slots - 1, device=device, generator=gen) + 1).int()
+    kv_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * context
+    q = torch.randn(batch, heads, R, device=device, dtype=dt, generator=gen)
+    q_pe = torch.randn(batch, heads, DR, device=device, dtype=dt, generator=gen)
+    scale = (128 + 64) ** -0.5
+    lat = kv[0, kv_indices.long(), 0].double().view(batch, context, R + DR)
+    scores = torch.einsum("bhd,bld->bhl", torch.cat([q, q_pe], -1).double(), lat) * scale
+    want = torch.softmax(scores, -1) @ lat[..., :R]
+    rows = []
+    for config in configs:
+        resolved = resolve_config(config, heads, False, device)
+        splits = mla_num_splits(batch, heads, context, num_sms(device), resolved)
+        out = torch.empty(batch, heads, R, device=device, dtype=dt)
+        mid_o = torch.empty(batch, heads, splits, R, device=device, dtype=torch.float32)
+        mid_lse = torch.empty(batch, heads, splits, device=device, dtype=torch.float32)
+
+        def call(layer: int, resolved=resolved, out=out, mid_o=mid_o, mid_lse=mid_lse) -> torch.Tensor:
+            return mla_decode_attention(q, kv[layer], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, R,
+                                        config=resolved, q_pe=q_pe)
+
+        row: dict = dict(config=asdict(resolved), splits=splits, default=config == MLADecodeConfig())
+        try:
+            err = (call(0).double() - want).abs().max().item()
+            row["max_abs_error"] = err
+            if err > 3e-2:
+                row["error"] = f"max abs error {err:.3g}: not timed"
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for layer in range(layers):
+                        call(layer)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for layer in range(layers):
+                        call(layer)
+                t = median_ms(graph.replay, device, TimingBudget(warmup_ms=20, rep_ms=150))
+                row.update(us_per_call=t.median_ms * 1e3 / layers, graph_ms=t.median_ms)
+        except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    timed = sorted((r for r in rows if "us_per_call" in r), key=lambda r: r["us_per_call"])
+    default = next((r for r in rows if r["default"]), {})
+    print(f"batch {batch} heads {heads} context {context}: default {default.get('us_per_call', float('nan')):.2f} us "
+          f"a call, splits {default.get('splits')}", flush=True)
+    for r in timed[:6]:
+        c = r["config"]
+        print(f"  {r['us_per_call']:.2f} us  block_h {c['block_h']} block_n {c['block_n']} warps {c['num_warps']} "
+              f"stages {c['num_stages']} min_chunk {c['min_chunk']} splits {r['splits']}", flush=True)
+    return dict(batch=batch, heads=heads, context=context, layers=layers, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,2,4")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--contexts", default="544,2048")
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--sweep", nargs="*", default=[])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    configs = [MLADecodeConfig()]
+    for item in args.sweep:
+        field, _, values = item.partition("=")
+        configs = [replace(c, **{field: int(v)}) for c in configs for v in values.split(",")]
+    if MLADecodeConfig() not in configs:
+        configs.insert(0, MLADecodeConfig())
+    device = torch.device("cuda")
+    report = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), cases=[])
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            report["cases"].append(run_case(batch, args.heads, context, args.layers, configs, device))
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
