@@ -5,13 +5,14 @@
 #          one graph of a call per layer), over split sizes and tiles
 #   decode the Triton MHA decode kernel at Llama-3.1-8B's one-batch shapes (sweep_decode_graphed.py: one graph of a
 #          call per layer): batch 1 over split sizes and tiles, batch 64 over tiles, stages and TMA
+#   mla    MLA decode split sizes (32 or 64 keys) at batches 8-32, 16 heads
 #   tests  GPU tests of what session 15 changed (fused MoE / norm, MLA engine and graphs, fused layers)
 #   ab     DeepSeek-V2-Lite one-batch (bs 1, 32): this tree against .old_src (session 14's src), alternated
 #          (DS_VARIANTS), then the step's kernel table of this tree (DS_STEP)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160
-stage=${1:?stage: sweep | tests | ab}
+stage=${1:?stage: sweep | decode | mla | tests | ab}
 if [ "$stage" = sweep ]; then
   [ "${MOE_SWEEP:-1}" = 1 ] && PYTHONPATH=src timeout 280 python3 benchmarks/sweep_fused_moe.py --budget-s 240 --out "$OUT/sweep_fused_moe.json" \
     2>&1 | tail -6
@@ -28,6 +29,10 @@ if [ "$stage" = decode ]; then
   PYTHONPATH=src timeout 200 python3 benchmarks/sweep_decode_graphed.py --cases 64:544,64:2048 --page 128 \
     --sweep ${BS64_SWEEP:-block_n=32,64 num_stages=2,3,4 num_warps=4,8 tma=0,1} \
     --out "$OUT/decode_graphed_bs64.json" 2>&1 | tail -16
+fi
+if [ "$stage" = mla ]; then  # MLA decode split sizes at V2-Lite's batches past 4 (16 heads)
+  PYTHONPATH=src timeout 200 python3 benchmarks/sweep_mla_small_batch.py --batches ${MLA_BATCHES:-8,16,32} \
+    --contexts 544 --sweep min_chunk=32,64 --out "$OUT/mla_batches.json" 2>&1 | tail -12
 fi
 if [ "$stage" = tests ]; then
   PYTHONPATH=src timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_fused_layers_gpu.py \
@@ -53,9 +58,9 @@ for r in json.load(open('$1'))['results']:
       > /dev/null 2>&1 || echo "deepseek step $v failed"
     python3 -c "
 import json
-d = json.load(open('$OUT/deepseek_step_$v.json'))['model']['profiles']['1']
-print('$v bs1 kernels us/step', round(d['kernel_us_per_step']))
-for k in d['top']: print('  ', k['calls_per_step'], round(k['us_per_step'], 1), k['name'][:70])
+for bs, d in json.load(open('$OUT/deepseek_step_$v.json'))['model']['profiles'].items():
+    print('$v bs', bs, 'kernels us/step', round(d['kernel_us_per_step']))
+    for k in d['top'][:${STEP_TOP:-12}]: print('  ', k['calls_per_step'], round(k['us_per_step'], 1), k['name'][:60])
 " || true
   done
 fi
