@@ -22,7 +22,13 @@ import torch
 import triton
 
 from sglx.attention.kernels.common import num_sms
-from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_num_splits, resolve_config
+from sglx.attention.kernels.mla_decode import (
+    MLADecodeConfig,
+    mla_decode_attention,
+    mla_num_splits,
+    resolve_config,
+    split_chunk,
+)
 from sglx.bench.timing import TimingBudget, median_ms
 
 R, DR = 512, 64
@@ -54,7 +60,8 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
             return mla_decode_attention(q, kv[layer], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, R,
                                         config=resolved, q_pe=q_pe)
 
-        row: dict = dict(config=asdict(resolved), splits=splits, default=config == MLADecodeConfig())
+        row: dict = dict(config=asdict(resolved), splits=splits, chunk=split_chunk(resolved, batch, heads),
+                         default=config == MLADecodeConfig())
         try:
             err = (call(0).double() - want).abs().max().item()
             row["max_abs_error"] = err
@@ -83,7 +90,7 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
     for r in timed[:6]:
         c = r["config"]
         print(f"  {r['us_per_call']:.2f} us  block_h {c['block_h']} block_n {c['block_n']} warps {c['num_warps']} "
-              f"stages {c['num_stages']} min_chunk {c['min_chunk']} splits {r['splits']}", flush=True)
+              f"stages {c['num_stages']} split chunk {r['chunk']} splits {r['splits']}", flush=True)
     return dict(batch=batch, heads=heads, context=context, layers=layers, rows=rows)
 
 

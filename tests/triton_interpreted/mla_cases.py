@@ -304,3 +304,19 @@ def test_tiny_deepseek_through_triton_mla_matches_transformers(tmp_path):
     harness.backend = TritonMLABackend(BackendContext(torch.device("cpu"), torch.float32, model.config.num_heads, 1,
                                                       kv.latent_dim, 4, harness.req_pool, kv))
     assert_paged_greedy_matches_hf(harness, hf, prompt, 6)
+
+
+def test_split_chunk_gives_small_batches_32_key_splits():
+    """The 16-head launch's split size (no min_chunk set): 32 keys while batch x head blocks <= 8, then 64 (the H100
+    sweep of session 15); an explicit min_chunk wins; mla_num_splits sizes the splits with it."""
+    from dataclasses import replace
+
+    from sglx.attention.kernels.mla_decode import mla_num_splits, resolve_config, split_chunk
+
+    config = resolve_config(MLADecodeConfig(), 16, False, torch.device("cpu"), interpret=False)
+    assert config.min_chunk is None and config.block_h == 16
+    assert [split_chunk(config, bs, 16) for bs in (1, 8, 9, 32)] == [32, 32, 64, 64]
+    assert split_chunk(config, 1, 128) == 32 and split_chunk(config, 2, 128) == 64  # 8 / 16 programs (16 heads each)
+    assert split_chunk(replace(config, min_chunk=16), 32, 16) == 16
+    assert mla_num_splits(1, 16, 544, 132, config) == 17  # 544 keys in 32-key splits
+    assert mla_num_splits(16, 16, 544, 132, config) == 9  # 64-key splits

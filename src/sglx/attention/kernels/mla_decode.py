@@ -30,7 +30,7 @@ from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_comp
 from sglx.attention.kernels.decode_attention import DecodeConfig, _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
-           "resolve_config", "wide_launch"]
+           "resolve_config", "split_chunk", "wide_launch"]
 
 # wgmma needs 64-row tiles; 8 warps keep the [64, 512] accumulator in registers. With fp8 latents it also
 # compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and on the H100 (session
@@ -47,7 +47,9 @@ class MLADecodeConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    min_chunk: int | None = None  # fewest keys a split is worth
+    min_chunk: int | None = None  # fewest keys a split is worth (None: `split_chunk` picks by batch)
+    # None min_chunk: 32-key splits while batch x head blocks is at most this, 64 above (see resolve_config)
+    small_batch_programs: int = 8
     waves: int | None = None  # stage-1 programs aimed at per SM when choosing the number of splits
     one_split_fill: float = 0.9  # one split once bs x head blocks programs reach this fraction of the SMs
 
@@ -62,11 +64,11 @@ def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch
     elif wide:
         defaults = WIDE_LAUNCH
     else:
-        # 32-key splits: H100, 16 heads (DeepSeek-V2-Lite), one graph of a call per layer (session 15,
-        # benchmarks/results/mla_small_batch_h100_s15.json): batch 1 at 544 keys 9.50 us a call against 12.13 with
-        # 64-key splits, 2048 keys 11.14 against 13.58; batch 4 at 2048 keys even (15.47 / 15.32)
-        defaults = dict(block_h=16, block_n=32, num_warps=4, num_stages=1 if torch.version.hip else 2, waves=4,
-                        min_chunk=32)
+        # min_chunk stays None: `split_chunk` gives small batches 32-key splits. H100, 16 heads (DeepSeek-V2-Lite),
+        # one graph of a call per layer (session 15, benchmarks/results/mla_small_batch_h100_s15.json and
+        # mla_batches_h100_s15.json), 544 keys, us a call with 32- / 64-key splits: batch 1 9.50 / 12.13, batch 2
+        # 9.94 / 12.41, batch 8 13.85 / 14.29, batch 16 20.91 / 18.34, batch 32 32.49 / 27.37
+        defaults = dict(block_h=16, block_n=32, num_warps=4, num_stages=1 if torch.version.hip else 2, waves=4)
     return replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
 
 
@@ -84,6 +86,14 @@ def head_blocks(heads: int, config: MLADecodeConfig = MLADecodeConfig()) -> int:
     return triton.cdiv(heads, _block_h(heads, config))
 
 
+def split_chunk(config: MLADecodeConfig, batch_size: int, heads: int) -> int:
+    """Fewest keys a split takes: the config's min_chunk, else 32 while the batch's stage-1 programs (batch x
+    head blocks) are at most `small_batch_programs` (latency-bound: more, shorter splits win), else 64."""
+    if config.min_chunk is not None:
+        return config.min_chunk
+    return 32 if batch_size * head_blocks(heads, config) <= config.small_batch_programs else 64
+
+
 def mla_num_splits(batch_size: int, heads: int, max_seq_len: int, sms: int, config: MLADecodeConfig) -> int:
     """KV splits: one when the batch's programs already (nearly) fill the GPU (splitting would only add the
     float32 partials and a merge), else enough to fill it (`choose_num_kv_splits`)."""
@@ -92,7 +102,7 @@ def mla_num_splits(batch_size: int, heads: int, max_seq_len: int, sms: int, conf
         return 1
     # MLA's one-split rule is the one above (its programs are one per SM), so the MHA rule is off here;
     # `config` is resolved (`resolve_config` sets waves)
-    mha = DecodeConfig(min_chunk=config.min_chunk, waves=config.waves,  # type: ignore[arg-type]
+    mha = DecodeConfig(min_chunk=split_chunk(config, batch_size, heads), waves=config.waves,  # type: ignore[arg-type]
                        one_split_rows_per_sm=0.0)
     return choose_num_kv_splits(batch_size, blocks, max_seq_len, sms, mha)
 
@@ -215,10 +225,11 @@ def mla_decode_attention(
     config = resolve_config(config, h, fp8_dtype is not None, q.device, interpret)
     block_n, num_warps, num_stages = config.block_n, config.num_warps, config.num_stages
     block_h = _block_h(h, config)
+    min_chunk = split_chunk(config, bs, h)
     single = max_splits == 1
     _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
         q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
-        scaling * kv_scale * LOG2E, float(kv_scale), max_splits, config.min_chunk,
+        scaling * kv_scale * LOG2E, float(kv_scale), max_splits, min_chunk,
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -230,7 +241,7 @@ def mla_decode_attention(
         return out
     block_dv = min(128, padded_dim(r))
     _mla_merge_kernel[(bs, h, triton.cdiv(r, block_dv))](
-        mid_o, mid_lse, out, kv_indptr, max_splits, config.min_chunk,
+        mid_o, mid_lse, out, kv_indptr, max_splits, min_chunk,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         R=r, BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_N=block_n,

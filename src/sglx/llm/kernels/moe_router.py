@@ -41,25 +41,33 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
                           E, H, stride_x, stride_w, stride_r, stride_n, stride_ro, scale, eps,
                           K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_EP: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN_BM: tl.constexpr,
-                          ADD_NORM: tl.constexpr):
+                          ADD_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_ep = tl.program_id(1) * BLOCK_EP + tl.arange(0, BLOCK_EP)
     ep_mask = offs_ep < E
     acc = tl.zeros([BLOCK_EP], dtype=tl.float32)
     dt = X.dtype.element_ty
     rstd = 1.0
-    if ADD_NORM:  # first pass: the row's mean square (the rmsnorm kernel's float32 arithmetic)
-        sq = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            xf = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
-            sq += xf * xf
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sq, 0) / H + eps))
+    if ADD_NORM:  # the row's mean square first (the rmsnorm kernel's float32 arithmetic)
+        if ONE_CHUNK:  # the whole row is one block: load it once and keep it in registers
+            offs_h = tl.arange(0, BLOCK_H)
+            row = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(row * row, 0) / H + eps))
+        else:
+            sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                xf = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
+                sq += xf * xf
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sq, 0) / H + eps))
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         if ADD_NORM:
-            xf = _added_row(X, Residual, t, offs_h, h_mask, stride_x, stride_r, dt)
+            if ONE_CHUNK:  # noqa: SIM108 - a compile-time branch (`row` exists only there)
+                xf = row
+            else:
+                xf = _added_row(X, Residual, t, offs_h, h_mask, stride_x, stride_r, dt)
             nw = tl.load(Norm_W + offs_h, mask=h_mask, other=0.0).to(tl.float32)
             x = round_to(nw * round_to(xf * rstd, dt), dt)
             if tl.program_id(1) == 0:  # the token's first program hands the row on to the experts
@@ -165,5 +173,5 @@ def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorm
         experts, hidden, x.stride(0), gate_weight.stride(0), res.stride(0), out_n.stride(0), out_r.stride(0),
         float(scale), eps, K=top_k, SHARED=shared, RENORM=renormalize, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(max(shared, 1)), ALIGN_BM=align_block_m,
-        ADD_NORM=add_norm is not None, num_warps=1 if interpret else 4)
+        ADD_NORM=add_norm is not None, ONE_CHUNK=hidden <= block_h, num_warps=1 if interpret else 4)
     return weights, ids, aligned, normed

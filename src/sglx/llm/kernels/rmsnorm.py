@@ -32,7 +32,7 @@ def _rmsnorm_kernel(X, Residual, Weight, Out, Residual_Out, n_rows, n_cols, eps,
     dt = Out.dtype.element_ty
     if TOPK > 0:  # float32 rows t * TOPK + j: summed in j order, then rounded (fused_moe's _moe_sum_kernel)
         xf = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for j in range(0, TOPK):
+        for j in tl.static_range(TOPK):  # unrolled: the k row loads are in flight together
             xf += tl.load(X + (rows64 * TOPK + j)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         xf = round_to(xf, dt)
     else:

@@ -30,6 +30,10 @@ from sglx.llm.layers.mlp import GatedMLP
 from sglx.llm.layers.norm import RMSNorm, UnsummedRows
 
 ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
+# the post-attention add + RMSNorm inside the router up to this many tokens: every router program re-reads the row
+# and norms it, which beat a norm launch at batch 1 and lost to it at 32 (H100, V2-Lite, session 15, its first
+# two-pass version: router 6.6 us against 4.9 + the norm's 2.4 at batch 1; 10.9 against 6.4 + 2.7 at batch 32)
+ROUTER_ADD_NORM_MAX_TOKENS = 8
 
 
 def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
@@ -243,6 +247,7 @@ class DeepseekMoE(nn.Module):
         experts in fused_moe (V2-Lite's decode), the add and the norm happen inside the router's launch."""
         shared = self._shared_in_kernel()
         if (shared is not None and self._fused_router_applies(delta) and delta.shape == residual.shape
+                and delta.shape[0] <= ROUTER_ADD_NORM_MAX_TOKENS
                 and norm.weight.dtype == delta.dtype == residual.dtype):
             weights, ids, aligned, (h, residual) = self.route(delta, self.cfg.n_shared_experts,
                                                               add_norm=(residual, norm.weight, norm.eps))
