@@ -39,7 +39,7 @@ if [ "$stage" = tests ]; then
     ${TEST_EXTRA:-} 2>&1 | tail -15
 fi
 if [ "$stage" = ab ]; then
-  DS="--model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1,32
+  DS="--model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size ${DS_BS:-1,32}
    --input-len 512 --output-len 32"
   show() { python3 -c "
 import json
