@@ -51,8 +51,8 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
     if ADD_NORM:  # the row's mean square first (the rmsnorm kernel's float32 arithmetic)
         if ONE_CHUNK:  # the whole row is one block: load it once and keep it in registers
             offs_h = tl.arange(0, BLOCK_H)
-            row = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(row * row, 0) / H + eps))
+            whole = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(whole * whole, 0) / H + eps))
         else:
             sq = tl.zeros([BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
@@ -64,8 +64,8 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         if ADD_NORM:
-            if ONE_CHUNK:  # noqa: SIM108 - a compile-time branch (`row` exists only there)
-                xf = row
+            if ONE_CHUNK:  # noqa: SIM108 - a compile-time branch (`whole` exists only there)
+                xf = whole
             else:
                 xf = _added_row(X, Residual, t, offs_h, h_mask, stride_x, stride_r, dt)
             nw = tl.load(Norm_W + offs_h, mask=h_mask, other=0.0).to(tl.float32)
