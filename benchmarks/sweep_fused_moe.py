@@ -67,7 +67,7 @@ def sweep(tokens: int, device: torch.device, copy_bw: float, deadline: float, bu
     floor_ms = weight_bytes / copy_bw * 1e3
 
     def run(tiles: MoETiles) -> torch.Tensor:
-        return fused_moe(x, w13, w2, weights, ids, shared=shared, aligned=aligned, tiles=tiles, unsummed=True)
+        return fused_moe(x, w13, w2, weights, ids, shared=shared, aligned=aligned, tiles=tiles)
 
     want = run(base).double()
     rows: list[dict] = []

@@ -184,7 +184,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               interpret: bool = False, add: torch.Tensor | None = None,
               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
               aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              tiles: MoETiles | None = None, unsummed: bool = False) -> torch.Tensor:
+              tiles: MoETiles | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> sum_k w * expert(x) [T, H]
     (+ `add` [T, H], e.g. the shared experts' output, added after the sum is rounded to x's dtype).
 
@@ -192,16 +192,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     as experts E..E+S-1, each I-wide slice of the shared MLP one of them (the MLP is the sum of its slices);
     ids/weights then carry them (ids E + s, weight 1), so their GEMMs run in the routed experts' launches.
     aligned: moe_align's result for these ids at `moe_block_m(pairs)` rows, made already (the fused router does
-    it for one token), so that launch is skipped. tiles: the GEMMs' launch (None: `default_tiles`).
-    unsummed: return the float32 per-choice rows [T * k, H] instead (row t * k + j: choice j of token t,
-    weighted), for a consumer that sums them itself (`rmsnorm.fused_add_rms_norm(..., top_k=k)`); no `add` then."""
+    it for one token), so that launch is skipped. tiles: the GEMMs' launch (None: `default_tiles`)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, two_i, _ = w13.shape
     inter_size = two_i // 2
     num_routed = experts
-    if unsummed and add is not None:
-        raise ValueError("fused_moe: `add` joins the top-k sum, which unsummed=True leaves to the caller")
     if shared is not None:
         s_gate_up, s_down = shared
         n_shared = s_down.shape[1] // inter_size
@@ -212,8 +208,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         experts += n_shared
     pairs = tokens * top_k
     if pairs == 0:
-        if unsummed:
-            return torch.zeros((0, hidden), dtype=torch.float32, device=x.device)
         return torch.zeros_like(x) if add is None else add.clone()
     x = x.contiguous()
     tiles = tiles or default_tiles(pairs, interpret)
@@ -242,8 +236,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), s2_strides[0], s2_strides[1],
         FUSE_SILU=False, ROUTED=True, IEEE=ieee, HAS_SHARED=shared is not None, BLOCK_M=block_m,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps, num_stages=down.num_stages)
-    if unsummed:
-        return y
     out = torch.empty_like(x)
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()

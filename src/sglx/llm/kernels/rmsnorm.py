@@ -4,8 +4,6 @@ HF: y = weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype). The ke
 same in float32 and rounds where HF rounds (to the input dtype, then the product with the weight),
 so the only difference left is the order of the float32 sum. The fused variant first forms
 residual + x in the input dtype (one rounding, as torch's add) and writes it out as the new residual.
-With `top_k`, x is fused_moe's unsummed float32 rows (k per token): the kernel first forms their sum in
-fused_moe's order and rounding, so a MoE layer's top-k sum costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -22,21 +20,15 @@ MAX_BLOCK = 65536  # one program holds a whole row; wider rows are not a real hi
 @triton.jit
 def _rmsnorm_kernel(X, Residual, Weight, Out, Residual_Out, n_rows, n_cols, eps,
                     stride_x, stride_r, stride_o, stride_ro,
-                    HAS_RESIDUAL: tl.constexpr, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    dt = Out.dtype.element_ty
-    if TOPK > 0:  # float32 rows t * TOPK + j: summed in j order, then rounded (fused_moe's _moe_sum_kernel)
-        xf = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOPK):  # unrolled: the k row loads are in flight together
-            xf += tl.load(X + (rows64 * TOPK + j)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        xf = round_to(xf, dt)
-    else:
-        xf = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty
+    xf = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(Residual + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xf = round_to(r + xf, dt)  # torch's add: one rounding
@@ -56,8 +48,8 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, residual_out: torch.Tensor | None, top_k: int = 0) -> None:
-    n_rows, n_cols = out.shape
+            out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
+    n_rows, n_cols = x2.shape
     if n_rows == 0:
         return
     block_n = triton.next_power_of_2(n_cols)
@@ -70,7 +62,7 @@ def _launch(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tens
         x2, residual2 if has_res else x2, weight, out, residual_out if has_res else out, n_rows, n_cols, float(eps),
         x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
         residual_out.stride(0) if has_res else 0,
-        HAS_RESIDUAL=has_res, TOPK=top_k, ROWS=rows, BLOCK_N=block_n, num_warps=warps)
+        HAS_RESIDUAL=has_res, ROWS=rows, BLOCK_N=block_n, num_warps=warps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,21 +74,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(residual + x), residual + x) from one kernel; x and residual are left unchanged.
-
-    top_k > 0: x is float32 [T * top_k, H], fused_moe's unsummed rows; x's part is then their sum, rounded to
-    residual's dtype (bit-equal to fused_moe's own sum)."""
-    if top_k:
-        if x.dtype != torch.float32 or x.shape != (residual.shape[0] * top_k, residual.shape[-1]) \
-                or residual.dim() != 2:
-            raise ValueError(f"unsummed expert rows {tuple(x.shape)} {x.dtype} do not fit residual "
-                             f"{tuple(residual.shape)} with top_k {top_k}")
-    elif x.shape != residual.shape or x.dtype != residual.dtype:
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) from one kernel; x and residual are left unchanged."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
     x2, r2 = _as_rows(x), _as_rows(residual)
-    out = torch.empty(r2.shape, dtype=residual.dtype, device=x.device)
-    new_residual = torch.empty(r2.shape, dtype=residual.dtype, device=x.device)
-    _launch(x2, r2, weight, eps, out, new_residual, top_k)
-    return out.view(residual.shape), new_residual.view(residual.shape)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch(x2, r2, weight, eps, out, new_residual)
+    return out.view(x.shape), new_residual.view(x.shape)

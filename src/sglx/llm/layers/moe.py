@@ -27,7 +27,7 @@ from torch import nn
 from sglx.llm.deepseek_config import MoEConfig
 from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
-from sglx.llm.layers.norm import RMSNorm, UnsummedRows
+from sglx.llm.layers.norm import RMSNorm
 
 ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
 # the post-attention add + RMSNorm inside the router up to this many tokens: every router program re-reads the row
@@ -116,16 +116,15 @@ class RoutedExperts(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       add: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      aligned: tuple | None = None, unsummed: bool = False) -> torch.Tensor:
+                      aligned: tuple | None = None) -> torch.Tensor:
         """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
         `add` joins in the kernel that sums the top-k outputs; `shared` (gate_up, down weights of the shared
         experts) runs them as experts E.. in the same launches (ids/weights carry them: fused_moe); `aligned`:
-        the expert blocks the fused router already laid out; `unsummed`: the float32 per-choice rows, not summed
-        (fused_moe's `unsummed`)."""
+        the expert blocks the fused router already laid out."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
         return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add,
-                         shared=shared, aligned=aligned, unsummed=unsummed)
+                         shared=shared, aligned=aligned)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
@@ -225,10 +224,7 @@ class DeepseekMoE(nn.Module):
             return None
         return mlp.gate_up_proj.weight, mlp.down_proj.weight
 
-    def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedRows:
-        """The layer's output [T, H]; with `unsummed`, where the fused experts run with the shared ones inside
-        them, the weighted per-choice rows instead (`UnsummedRows`: the next `RMSNorm.add_and_norm` sums them in
-        its own kernel, one launch less a layer)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.shared_experts
         if not fused_moe_applies(x.device):
             weights, ids, _, _ = self.route(x)
@@ -236,13 +232,13 @@ class DeepseekMoE(nn.Module):
         shared = self._shared_in_kernel()
         if shared is not None:
             weights, ids, aligned, _ = self.route(x, self.cfg.n_shared_experts)
-            return self._fused_with_shared(x, weights, ids, aligned, shared, unsummed)
+            return self.experts.forward_fused(x, weights, ids, shared=shared, aligned=aligned)
         weights, ids, aligned, _ = self.route(x)
         return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned)
 
     def forward_after_norm(self, delta: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                           ) -> tuple[torch.Tensor | UnsummedRows, torch.Tensor]:
-        """(forward(h, unsummed=True), residual + delta) for h = norm(residual + delta): the decoder layer's
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), residual + delta) for h = norm(residual + delta): the decoder layer's
         post-attention add-and-norm and this layer in one call. Where the fused router runs with the shared
         experts in fused_moe (V2-Lite's decode), the add and the norm happen inside the router's launch."""
         shared = self._shared_in_kernel()
@@ -251,11 +247,6 @@ class DeepseekMoE(nn.Module):
                 and norm.weight.dtype == delta.dtype == residual.dtype):
             weights, ids, aligned, (h, residual) = self.route(delta, self.cfg.n_shared_experts,
                                                               add_norm=(residual, norm.weight, norm.eps))
-            return self._fused_with_shared(h, weights, ids, aligned, shared, True), residual
+            return self.experts.forward_fused(h, weights, ids, shared=shared, aligned=aligned), residual
         h, residual = norm.add_and_norm(delta, residual)
-        return self.forward(h, unsummed=True), residual
-
-    def _fused_with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, aligned: tuple | None,
-                           shared: tuple[torch.Tensor, torch.Tensor], unsummed: bool) -> torch.Tensor | UnsummedRows:
-        out = self.experts.forward_fused(x, weights, ids, shared=shared, aligned=aligned, unsummed=unsummed)
-        return UnsummedRows(out, ids.shape[1]) if unsummed else out
+        return self.forward(h), residual

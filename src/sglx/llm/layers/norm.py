@@ -6,26 +6,10 @@ also folds in the residual add that precedes every norm of a decoder layer; CPU 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from sglx.llm.kernels import use_fused
-
-
-@dataclass(frozen=True)
-class UnsummedRows:
-    """A residual delta still to be summed: float32 rows [T * top_k, H], token t's delta the sum of rows
-    t * top_k .. t * top_k + top_k - 1 rounded to the model dtype (a MoE layer's weighted expert outputs).
-    `RMSNorm.add_and_norm` sums them inside its kernel, so the sum costs no launch of its own."""
-
-    rows: torch.Tensor
-    top_k: int
-
-    def summed(self, dtype: torch.dtype) -> torch.Tensor:
-        """The delta as one tensor [T, H] (the unfused path)."""
-        return self.rows.view(-1, self.top_k, self.rows.shape[-1]).sum(dim=1).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -41,15 +25,8 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return self._torch(x)
 
-    def add_and_norm(self, delta: torch.Tensor | UnsummedRows,
-                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + delta), residual + delta): the residual stream update and the next norm at once."""
-        if isinstance(delta, UnsummedRows):
-            if use_fused(residual) and self.weight.dtype == residual.dtype:
-                from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
-
-                return fused_add_rms_norm(delta.rows, residual, self.weight, self.eps, top_k=delta.top_k)
-            delta = delta.summed(residual.dtype)
         if use_fused(delta) and self.weight.dtype == delta.dtype == residual.dtype:
             from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
 

@@ -25,7 +25,6 @@ from sglx.llm.kernels import use_fused
 from sglx.llm.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.linear import Linear, linear
 from sglx.llm.layers.moe import DeepseekMoE, experts_graph_safe
-from sglx.llm.layers.norm import UnsummedRows
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig
 
@@ -155,12 +154,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | UnsummedRows, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor | UnsummedRows, torch.Tensor]:
-        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm,
-        and so is a MoE layer's top-k sum (its output may be `UnsummedRows`, which only that norm reads)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm."""
         if residual is None:
-            assert isinstance(x, torch.Tensor), "the first layer takes the embeddings"
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
@@ -185,12 +182,11 @@ class DeepseekModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        h: torch.Tensor | UnsummedRows = x
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, batch)
+            x, residual = layer(x, residual, cos, sin, batch)
         if residual is None:
             return self.norm(x)
-        return self.norm.add_and_norm(h, residual)[0]
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class DeepseekV2ForCausalLM(nn.Module):
