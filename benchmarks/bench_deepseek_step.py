@@ -20,22 +20,9 @@ from pathlib import Path
 import torch
 
 from sglx.bench.one_batch import OneBatchConfig, _BatchRun, _one_size, engine_config_for, make_prompts
-from sglx.bench.timing import TimingBudget, copy_bandwidth, median_ms
+from sglx.bench.timing import TimingBudget, copy_bandwidth, cuda_graphed, median_ms
 from sglx.llm.engine_config import EngineConfig
 from sglx.llm.layers.moe import RoutedExperts
-
-
-def _graphed(fn):
-    """fn captured in a CUDA graph (after a warm-up); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def moe_layer(bandwidth: float, token_counts: list[int]) -> list[dict]:
@@ -60,7 +47,7 @@ def moe_layer(bandwidth: float, token_counts: list[int]) -> list[dict]:
                 out = fn(x, weights, ids).float()
                 err = ((out - loop).abs().max() / loop.abs().max()).item()
                 call = functools.partial(fn, x, weights, ids)
-                runner = call if name == "per_expert_loop" else _graphed(call)
+                runner = call if name == "per_expert_loop" else cuda_graphed(call)
                 ms = median_ms(runner, dev, TimingBudget(warmup_ms=10, rep_ms=60)).median_ms
                 row[name] = {"ms": ms, "ratio_to_floor": ms / floor_ms, "max_rel_error_vs_loop": err,
                              "graphed": name != "per_expert_loop"}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglx.attention.llm.base import BackendContext, LayerSpec
-from sglx.bench.timing import TimingBudget, median_ms
+from sglx.bench.timing import TimingBudget, cuda_graphed, median_ms
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
 
@@ -75,24 +75,6 @@ def sdpa_best(fn: Callable[[], torch.Tensor]) -> tuple[str, Callable[[], torch.T
     return best[1], best[2]
 
 
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """fn captured once in a CUDA graph (as decode runs in the engine): a replay has no host-side launch cost."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = fn()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return static
-    return replay
-
-
 def timed(fn: Callable[[], object]) -> float:
     return median_ms(fn, DEV, BUDGET).median_ms
 
@@ -117,7 +99,7 @@ def bench_decode(batch=64, hq=32, hkv=8, dim=128, context=4096) -> dict:
         routes[f"sglx {name}"] = lambda be=be: be.forward_decode(q, q, q, layer, fb, save_kv_cache=False)
     for name in ("fa4", "triton"):
         try:
-            routes[f"sglx {name} (CUDA graph)"] = graphed(routes[f"sglx {name}"])
+            routes[f"sglx {name} (CUDA graph)"] = cuda_graphed(routes[f"sglx {name}"])
         except Exception as exc:  # recorded, not fatal: the eager routes still run
             out[f"sglx {name} (CUDA graph) error"] = f"{type(exc).__name__}: {exc}"
     fa4 = make_backend("fa4", r2t, pool, hq, hkv, dim)

@@ -21,30 +21,9 @@ if [ "$stage" = mla_tests ]; then  # carry .whl too (FlashInfer MLA); then run s
   stage=ab
 fi
 if [ "$stage" = ab ]; then
-  DS="--model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1,32
-   --input-len 512 --output-len 32"
-  show() { python3 -c "
-import json
-for r in json.load(open('$1'))['results']:
-    print('$2', 'bs', r['batch_size'], 'decode', round(r['decode_step_ms_median'],3), 'device', round(r['decode_step_device_ms_median'],3), 'x floor', round(r['ratio_to_floor'],3))
-" || echo "$2 failed"; }
-  for v in ${DS_VARIANTS:-new_a old_a old_b new_b}; do
-    src=src; [ "${v%_*}" = old ] && src=.old_src/src
-    # shellcheck disable=SC2086
-    PYTHONPATH=$src timeout 170 python3 -m sglx bench one-batch $DS --output "$OUT/ds_$v.json" > /dev/null 2>&1
-    show "$OUT/ds_$v.json" "v2lite $v"
-  done
-  for v in ${DS_STEP:-new}; do  # the step's kernel table: this tree (new) and/or session 13's (old)
-    src=src; [ "$v" = old ] && src=.old_src/src
-    PYTHONPATH=$src timeout 200 python3 benchmarks/bench_deepseek_step.py --out "$OUT/deepseek_step_$v.json" \
-      > /dev/null 2>&1 || echo "deepseek step $v failed"
-    python3 -c "
-import json
-d = json.load(open('$OUT/deepseek_step_$v.json'))['model']['profiles']['1']
-print('$v bs1 kernels us/step', round(d['kernel_us_per_step']))
-for k in d['top']: print('  ', k['calls_per_step'], round(k['us_per_step'], 1), k['name'][:70])
-" || true
-  done
+  DS_STEP=${DS_STEP:-new}
+  # shellcheck source=benchmarks/deepseek_ab.sh
+  . benchmarks/deepseek_ab.sh
   OB="--model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 32
    --attention-backend triton --page-size 128"
   for v in ${L2_VARIANTS:-}; do

@@ -30,7 +30,7 @@ from sglx.attention.kernels.decode_attention import (
     decode_attention,
     semaphore_count,
 )
-from sglx.bench.timing import TimingBudget, median_ms
+from sglx.bench.timing import per_call_us_in_graph
 
 HQ, HKV, D = 32, 8, 128
 
@@ -85,18 +85,7 @@ def run_case(bs: int, ctx: int, page: int, layers: int, graph_context: int, spli
             if err > 2e-2:
                 row["error"] = f"max abs error {err:.3g}: not timed"
             else:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for layer in range(layers):
-                        call(layer)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for layer in range(layers):
-                        call(layer)
-                t = median_ms(graph.replay, device, TimingBudget(warmup_ms=20, rep_ms=150))
-                us = t.median_ms * 1e3 / layers
+                us = per_call_us_in_graph(call, layers, device)
                 row.update(us_per_call=us, tb_per_s=kv_bytes / (us * 1e-6) / 1e12)
         except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

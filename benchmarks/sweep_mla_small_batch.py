@@ -29,7 +29,7 @@ from sglx.attention.kernels.mla_decode import (
     resolve_config,
     split_chunk,
 )
-from sglx.bench.timing import TimingBudget, median_ms
+from sglx.bench.timing import per_call_us_in_graph
 
 R, DR = 512, 64
 
@@ -68,18 +68,7 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
             if err > 3e-2:
                 row["error"] = f"max abs error {err:.3g}: not timed"
             else:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for layer in range(layers):
-                        call(layer)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for layer in range(layers):
-                        call(layer)
-                t = median_ms(graph.replay, device, TimingBudget(warmup_ms=20, rep_ms=150))
-                row.update(us_per_call=t.median_ms * 1e3 / layers, graph_ms=t.median_ms)
+                row["us_per_call"] = per_call_us_in_graph(call, layers, device)
         except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)

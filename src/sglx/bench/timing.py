@@ -12,8 +12,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100: 50 MB, B200: 126 MB)
 
@@ -84,6 +87,35 @@ def _cuda_median(fn: Callable[[], object], device: torch.device, budget: TimingB
     torch.cuda.synchronize(device)
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return Timing(statistics.median(times), min(times), max(times), runs)
+
+
+def cuda_graphed(fn: Callable[[], T]) -> Callable[[], T]:
+    """fn captured in a CUDA graph (after one warm-up call on a side stream, as capture wants); returns a replay that
+    gives back the captured call's output (its tensors are rewritten by every replay).
+
+    Why: kernels of a few microseconds launched one at a time are timed with their launch gaps; a decode step runs
+    them back to back inside a graph, and so does the replay of a graph of several calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+
+    def replay() -> T:
+        graph.replay()
+        return static
+    return replay
+
+
+def per_call_us_in_graph(call: Callable[[int], object], calls: int, device: torch.device,
+                         budget: TimingBudget = TimingBudget(warmup_ms=20, rep_ms=150)) -> float:
+    """Microseconds of one call(i) when call(0), ..., call(calls - 1) run back to back in one CUDA graph (give each i
+    its own buffers, as each layer of a step has, so no call reads what the previous one left in L2)."""
+    replay = cuda_graphed(lambda: [call(i) for i in range(calls)])
+    return median_ms(replay, device, budget).median_ms * 1e3 / calls
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, budget: TimingBudget = TimingBudget()) -> float:

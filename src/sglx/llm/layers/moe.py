@@ -12,7 +12,8 @@ expert on the device, gate/up GEMM with SiLU fused, down GEMM times the routing 
 no host sync, so CUDA graphs capture it, in any dtype). The shared experts join those launches as experts
 E.. of weight 1 (their float32 output is summed with the routed ones before the one rounding), and V2's
 greedy softmax router of a decode-sized step is one more kernel (`kernels/moe_router.py`; for one token it
-also lays out the expert blocks, so the sort launch is skipped). Without it (SGLX_FUSED_KERNELS=0) they run as
+also lays out the expert blocks, so the sort launch is skipped; up to 8 tokens it also forms the post-attention
+residual add and RMSNorm, `forward_after_norm`). Without it (SGLX_FUSED_KERNELS=0) they run as
 one grouped GEMM pair (`torch._grouped_mm`) where torch has its sync-free fast path (bfloat16 on CUDA
 SM90+); elsewhere, and on CPU, as one small GEMM pair per expert that received tokens (exact, HF's
 order, but it reads the token counts on the host, so no graphs).
@@ -31,8 +32,8 @@ from sglx.llm.layers.norm import RMSNorm
 
 ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module imports triton)
 # the post-attention add + RMSNorm inside the router up to this many tokens: every router program re-reads the row
-# and norms it, which beat a norm launch at batch 1 and lost to it at 32 (H100, V2-Lite, session 15, its first
-# two-pass version: router 6.6 us against 4.9 + the norm's 2.4 at batch 1; 10.9 against 6.4 + 2.7 at batch 32)
+# and norms it. V2-Lite step profiles (session 15): batch 1, H200, router 7.3 us a layer against 4.9 + the norm's 2.4,
+# one launch less; batch 32, H100, its first version 10.9 against 6.4 + 2.7. Between 1 and 32 the limit is a choice.
 ROUTER_ADD_NORM_MAX_TOKENS = 8
 
 
