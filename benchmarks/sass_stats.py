@@ -25,12 +25,12 @@ import tempfile
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import sglx.attention.kernels.decode_attention as da  # noqa: E402
 import sglx.attention.kernels.mla_decode as md  # noqa: E402
+from sglx.bench.sm90_compile import SM90, kernel_source  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -53,32 +53,25 @@ MLA = {
 
 
 def decode_source(over: dict) -> ASTSource:
-    consts = dict(MERGE_HERE=False, BLOCK_S=2, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128, BLOCK_D=128,
-                  BLOCK_DV=128, BLOCK_N=64, FMT=1, SOFTCAP=False, IEEE=False, CVT=1, SLOT_SCALES=False,
+    consts = dict(MERGE_HERE=False, BLOCK_S=2, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
+                  BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1, SOFTCAP=False, IEEE=False, CVT=1, SLOT_SCALES=False,
                   SCALE_FOLD=0) | over
     ptrs = {"Q": "*bf16", "K_Buf": "*u8", "V_Buf": "*u8", "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
             "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16", "Semaphores": "*i32", "K_Scale": "*fp32",
             "V_Scale": "*fp32"}
     div16 = {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ob",
              "stride_oh", "stride_os", "stride_lb", "stride_out_t", "stride_out_h", "min_chunk", "window"}
-    return _source(da._decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16)
+    return kernel_source(da._decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16)
 
 
 def mla_source(over: dict) -> ASTSource:
     consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_R=512, BLOCK_DR=64, BLOCK_N=64, FMT=0, IEEE=False,
                   SINGLE=True) | over
-    ptrs = {"Q": "*bf16", "Kv_Buf": "*u8" if consts["FMT"] else "*bf16", "Kv_Indptr": "*i32",
+    ptrs = {"Q": "*bf16", "Q_pe": "*bf16", "Kv_Buf": "*u8" if consts["FMT"] else "*bf16", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16"}
-    div16 = {"stride_qt", "stride_qh", "stride_kt", "stride_ob", "stride_oh", "stride_os", "stride_lb",
-             "stride_out_b", "stride_out_h", "min_chunk"}
-    return _source(md._mla_decode_stage1, consts, ptrs, ("qk_scale", "v_scale"), div16)
-
-
-def _source(fn, consts: dict, ptrs: dict, floats: tuple, div16: set) -> ASTSource:
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}
-    return ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    div16 = {"stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kt", "stride_ob", "stride_oh", "stride_os",
+             "stride_lb", "stride_out_b", "stride_out_h", "min_chunk"}
+    return kernel_source(md._mla_decode_stage1, consts, ptrs, ("qk_scale", "v_scale"), div16)
 
 
 def ptxas(ptx: str, work: Path) -> tuple[str, str]:
@@ -116,7 +109,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90a")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (over, warps, stages) in variants.items():
-            k = triton.compile(make(over), target=GPUTarget("cuda", 90, 32),
+            k = triton.compile(make(over), target=SM90,
                                options=dict(num_warps=warps, num_stages=stages))
             report, sass = ptxas(k.asm["ptx"], Path(tmp))
             regs = re.search(r"Used (\d+) registers", report)
