@@ -4,10 +4,12 @@ Issue 14: the batch-1 decode step of V2-Lite spends about 1.42 ms a step in the 
 the dense first one), against about 1.07 ms to read the chosen experts' weights at the H100's rated bandwidth.
 Shapes: hidden 2048, expert width 1408, 64 routed experts (top 6) and 2 shared experts run as experts 64, 65 of
 weight 1, as DeepseekMoE runs them; batches 1 and 32 (distinct random experts per token). Coordinate search: the
-gate/up launch first (down at the default), then the down launch with the best gate/up. Each config is checked
+gate/up launch first (down at the default), then the down launch with the best gate/up, then both GEMMs in one
+persistent launch (`MoETiles.persistent`, the default tiles; not the engine's default yet). Each config is checked
 against the default config's output (relative error <= 1e-2) before it is timed; medians with L2 flushed
-(sglx.bench.timing); "floor" = the distinct experts' weight bytes / the device-to-device copy bandwidth measured in
-the same run. Usage (GPU):
+(sglx.bench.timing); "floor" = the distinct experts' weight bytes / the device-to-device copy bandwidth (bytes read
+and written per second, what a streaming kernel reaches) measured in the same run. (Session 15's recorded file,
+sweep_fused_moe_h100_s15.json, divided by half of it: its floors are twice too high.) Usage (GPU):
 
     PYTHONPATH=src python3 benchmarks/sweep_fused_moe.py --out $OUT/sweep_fused_moe.json
 """
@@ -25,7 +27,7 @@ import torch
 import triton
 
 from sglx.bench.timing import TimingBudget, copy_bandwidth, median_ms
-from sglx.llm.kernels.fused_moe import GemmLaunch, MoETiles, default_tiles, fused_moe, moe_align
+from sglx.llm.kernels.fused_moe import GemmLaunch, MoETiles, default_tiles, fused_moe, moe_align, work_entries
 
 HIDDEN, INTER, ROUTED, TOP_K, SHARED = 2048, 1408, 64, 6, 2
 SMEM_BYTES = 220 * 1024
@@ -66,8 +68,10 @@ def sweep(tokens: int, device: torch.device, copy_bw: float, deadline: float, bu
     aligned = moe_align(ids, ROUTED + SHARED, base.block_m)
     floor_ms = weight_bytes / copy_bw * 1e3
 
+    work = torch.zeros(work_entries(aligned[1].numel()), dtype=torch.int32, device=device)  # the persistent launch's
+
     def run(tiles: MoETiles) -> torch.Tensor:
-        return fused_moe(x, w13, w2, weights, ids, shared=shared, aligned=aligned, tiles=tiles)
+        return fused_moe(x, w13, w2, weights, ids, shared=shared, aligned=aligned, tiles=tiles, work=work)
 
     want = run(base).double()
     rows: list[dict] = []
@@ -95,12 +99,14 @@ def sweep(tokens: int, device: torch.device, copy_bw: float, deadline: float, bu
     best_down = min(launches(False), key=lambda g: measure(replace(best, down=g), "down"))
     best = replace(best, down=best_down)
     best_ms = measure(best, "best")
+    persistent_ms = measure(replace(base, persistent=True), "persistent")  # both GEMMs in one launch
     base_ms = measure(base, "default_again")
     print(f"tokens {tokens}: floor {floor_ms * 1e3:.1f} us; default {base_ms * 1e3:.1f} us "
           f"({base_ms / floor_ms:.2f}x); best {best_ms * 1e3:.1f} us ({best_ms / floor_ms:.2f}x) "
-          f"gate_up {asdict(best_up)} down {asdict(best_down)}", flush=True)
+          f"gate_up {asdict(best_up)} down {asdict(best_down)}; persistent launch {persistent_ms * 1e3:.1f} us",
+          flush=True)
     return dict(tokens=tokens, pairs=pairs, weight_bytes=weight_bytes, floor_ms=floor_ms, default=asdict(base),
-                best=asdict(best), best_ms=best_ms, default_ms=base_ms, rows=rows)
+                best=asdict(best), best_ms=best_ms, default_ms=base_ms, persistent_ms=persistent_ms, rows=rows)
 
 
 def main() -> None:
@@ -111,9 +117,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     deadline = time.time() + args.budget_s
-    copy_bw = copy_bandwidth(device) / 2  # read bytes per second of a copy (it reads and writes)
+    copy_bw = copy_bandwidth(device)
     report = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_read_gb_s=copy_bw / 1e9, cases=[])
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_gb_s=copy_bw / 1e9, cases=[])
     budget = TimingBudget(warmup_ms=10, rep_ms=60)
     for tokens in [int(t) for t in args.tokens.split(",")]:
         report["cases"].append(sweep(tokens, device, copy_bw, deadline, budget))

@@ -1,4 +1,4 @@
-"""The decode-path kernels with constexpr branches compile for sm_90a (H100) on this CPU machine.
+"""The decode-path kernels with constexpr branches compile for sm_90a (H100) on this CPU machine, in its smem.
 
 The interpreted tests check their numbers but never compile them; a type error inside a compile-time branch only
 shows on a GPU (session 15: the router's add+norm branch reused a name for a tensor and an int64). Here each launch
@@ -52,6 +52,16 @@ def _moe_gemm(fuse_silu: bool, routed: bool, shared: bool) -> tuple:
     consts = dict(FUSE_SILU=fuse_silu, ROUTED=routed, IEEE=False, HAS_SHARED=shared, BLOCK_M=16, BLOCK_N=64,
                   BLOCK_K=128)
     return kernel_source(_moe_gemm_kernel, consts, ptrs), 4, 4
+
+
+def _moe_persistent() -> tuple:
+    from sglx.llm.kernels.fused_moe import _moe_persistent_kernel
+
+    ptrs = {"X": BF16, "W13": BF16, "W2": BF16, "Inter": BF16, "Y": "*fp32", "Sorted_Ids": "*i32",
+            "Block_Expert": "*i32", "Block_Rows": "*i32", "Routed_W": "*fp32", "S13": BF16, "S2": BF16,
+            "Work": "*i32"}
+    consts = dict(IEEE=False, HAS_SHARED=True, BLOCK_M=16, UP_N=64, UP_K=128, DOWN_N=64, DOWN_K=128, BLOCK_B=16)
+    return kernel_source(_moe_persistent_kernel, consts, ptrs), 4, 4
 
 
 def _mla_stage1(single: bool, fp8: bool, block_h: int) -> tuple:
@@ -121,6 +131,7 @@ VARIANTS = {
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),
     "moe down with shared experts": lambda: _moe_gemm(False, True, True),
     "moe gate/up": lambda: _moe_gemm(True, False, False),
+    "moe both GEMMs, persistent": _moe_persistent,
     "mla stage 1, 16 heads, splits": lambda: _mla_stage1(False, False, 16),
     "mla stage 1, 16 heads, one split": lambda: _mla_stage1(True, False, 16),
     "mla stage 1, 64-head wide, fp8": lambda: _mla_stage1(False, True, 64),
@@ -140,3 +151,4 @@ def test_kernel_variant_compiles_for_sm90(name: str) -> None:
     source, warps, stages = VARIANTS[name]()
     kernel = compile_sm90(source, num_warps=warps, num_stages=stages)
     assert ".target sm_90a" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    assert kernel.metadata.shared <= 227 * 1024  # an H100 SM's shared memory for one program

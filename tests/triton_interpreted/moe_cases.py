@@ -290,3 +290,48 @@ def test_router_blocks_for_one_token_drive_fused_moe_as_moe_align_does(shared):
     got = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=s_weights, aligned=aligned)
     want = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=s_weights)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,n_shared,skew", [(1, 8, 3, 2, False), (5, 16, 4, 0, False),
+                                                                (37, 8, 2, 1, True)])
+def test_persistent_launch_equals_the_two_gemm_launches(tokens, experts, top_k, n_shared, skew):
+    """MoETiles(persistent=True): both GEMMs from one queue of tiles give bitwise the two launches' output; the
+    work buffer is left zero, so a second launch (a graph replay) on the same buffer gives it again."""
+    from dataclasses import replace
+
+    from sglx.llm.kernels.fused_moe import default_tiles, work_entries
+
+    hidden, inter = 48, 24
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, hidden, inter, seed=60 + tokens, skew=skew)
+    shared = None
+    if n_shared:
+        gen = torch.Generator().manual_seed(61)
+        shared = (torch.randn(2 * n_shared * inter, hidden, generator=gen) * hidden ** -0.5,
+                  torch.randn(hidden, n_shared * inter, generator=gen) * inter ** -0.5)
+        extra = torch.arange(experts, experts + n_shared).expand(tokens, n_shared)
+        ids = torch.cat([ids, extra], 1)
+        weights = torch.cat([weights, torch.ones(tokens, n_shared)], 1)
+    want = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=shared)
+    tiles = replace(default_tiles(ids.numel(), True), persistent=True)
+    work = torch.zeros(work_entries(64), dtype=torch.int32)
+    for _ in range(2):
+        got = fused_moe(x, w13, w2, weights, ids, interpret=True, shared=shared, tiles=tiles, work=work)
+        assert torch.equal(got, want)
+        assert not work.any()
+    assert (got.double() - _reference_with(x, w13, w2, weights, ids, shared)).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="work buffer"):
+        fused_moe(x, w13, w2, weights, ids, interpret=True, shared=shared, tiles=tiles, work=work[:1])
+
+
+def _reference_with(x, w13, w2, weights, ids, shared):
+    """float64 MoE with the shared experts as extra experts (ids E.. of weight 1)."""
+    if shared is None:
+        return _reference(x, w13, w2, weights, ids)
+    s13, s2 = shared
+    inter = w13.shape[1] // 2
+    n_shared = s2.shape[1] // inter
+    gate = s13[:n_shared * inter].view(n_shared, inter, -1)
+    up = s13[n_shared * inter:].view(n_shared, inter, -1)
+    w13_all = torch.cat([w13, torch.cat([gate, up], 1)], 0)
+    w2_all = torch.cat([w2, s2.view(-1, n_shared, inter).transpose(0, 1)], 0)
+    return _reference(x, w13_all, w2_all, weights, ids)
