@@ -1,4 +1,4 @@
-"""The decode-path kernels with constexpr branches compile for sm_90a (H100) on this CPU machine, in its smem.
+"""Kernels with constexpr branches (decode path, block-sparse) compile for sm_90a (H100) here, within its smem.
 
 The interpreted tests check their numbers but never compile them; a type error inside a compile-time branch only
 shows on a GPU (session 15: the router's add+norm branch reused a name for a tensor and an int64). Here each launch
@@ -121,6 +121,16 @@ def _extend(ext: bool) -> tuple:
     return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
 
 
+def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
+    from sglx.attention.kernels.block_sparse_attention import _block_sparse_fwd
+
+    ptrs = {"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Kv_Indices": "*i32", "Kv_Counts": "*i32",
+            "K_Lengths": "*i32", "Q_Map": "*i32"}
+    consts = dict(GROUP=1, D=128, BLOCK_M=128, BLOCK_N=64, Q_BLOCK=128, K_BLOCK=128, MASK_KEYS=mask_keys,
+                  HAS_LENGTHS=mask_keys, IEEE=False, HAS_QMAP=qmap)
+    return kernel_source(_block_sparse_fwd, consts, ptrs, ("qk_scale",)), 4, 2
+
+
 VARIANTS = {
     "router": lambda: _router(False, True, 16),
     "router add_norm, one-block row": lambda: _router(True, True, 16),
@@ -143,6 +153,8 @@ VARIANTS = {
     "decode stage 1, fp8 per-token scales": lambda: _decode_stage1(False, True, True),
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
+    "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),
+    "block-sparse (diffusion), q map": lambda: _block_sparse(False, True),
 }
 
 
