@@ -119,6 +119,13 @@ def test_input_projections_are_one_gemm_over_views_of_one_weight(workdir: Path, 
     assert loaded == {name} and not unexpected
     assert torch.equal(fused_fresh[:new_rows.shape[0]], new_rows)
     assert torch.equal(fused_fresh[new_rows.shape[0]:], fused[new_rows.shape[0]:])
+    moved = fresh.model.layers[0].self_attn
+    moved.to(torch.float64)  # the parameters get new storage; the fused copy would be stale float32
+    q64, kv64 = moved._input_projections(x.double())
+    q_moved = moved.q_a_proj if model.config.mla.q_lora_rank else moved.q_proj
+    assert q64.dtype == torch.float64
+    torch.testing.assert_close(q64, x.double() @ q_moved.weight.T)
+    torch.testing.assert_close(kv64, x.double() @ moved.kv_a_proj_with_mqa.weight.T)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -99,10 +99,13 @@ class DeepseekMLAttention(nn.Module):
         self._fused_in = (weight, bias)
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once fuse_input_projections ran."""
-        if self._fused_in is None:
+        """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once fuse_input_projections ran, as long as
+        the parameters still view the fused weight (a `.to()` of the module gives them new storage: two GEMMs then,
+        never the stale copy)."""
+        fused = self._fused_in
+        if fused is None or fused[0].data_ptr() != self._q_in_proj.weight.data_ptr():
             return self._q_in_proj(x), self.kv_a_proj_with_mqa(x)
-        weight, bias = self._fused_in
+        weight, bias = fused
         latent = self.mla.latent_dim
         return F.linear(x, weight, bias).split([weight.shape[0] - latent, latent], dim=-1)
 
