@@ -279,6 +279,34 @@ def test_fused_moe_matches_the_loop(tokens: int, dtype: torch.dtype) -> None:
     assert (got - want).abs().max().item() <= 2 * (loop - want).abs().max().item() + 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_fused_moe_persistent_launch_equals_two_launches(tokens: int) -> None:
+    """MoETiles(persistent=True) at V2-Lite's shape with its 2 shared experts: the one-launch path gives the two
+    launches' output bitwise, twice on one work buffer (left zero, as graph replays need)."""
+    from dataclasses import replace
+
+    from sglx.llm.kernels.fused_moe import default_tiles, fused_moe, work_entries
+
+    gen = torch.Generator(DEV).manual_seed(100 + tokens)
+    dt = torch.bfloat16
+    w13 = torch.randn(64, 2816, 2048, generator=gen, device=DEV).mul_(2048 ** -0.5).to(dt)
+    w2 = torch.randn(64, 2048, 1408, generator=gen, device=DEV).mul_(1408 ** -0.5).to(dt)
+    shared = (torch.randn(2 * 2 * 1408, 2048, generator=gen, device=DEV).mul_(2048 ** -0.5).to(dt),
+              torch.randn(2048, 2 * 1408, generator=gen, device=DEV).mul_(1408 ** -0.5).to(dt))
+    x = torch.randn(tokens, 2048, generator=gen, device=DEV).to(dt)
+    routed = torch.rand(tokens, 64, generator=gen, device=DEV).argsort(dim=1)[:, :6]
+    ids = torch.cat([routed, torch.arange(64, 66, device=DEV).expand(tokens, 2)], 1)
+    weights = torch.cat([torch.rand(tokens, 6, generator=gen, device=DEV), torch.ones(tokens, 2, device=DEV)], 1)
+    want = fused_moe(x, w13, w2, weights, ids, shared=shared)
+    tiles = replace(default_tiles(ids.numel(), False), persistent=True)
+    work = torch.zeros(work_entries(4096), dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        got = fused_moe(x, w13, w2, weights, ids, shared=shared, tiles=tiles, work=work)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert not work.any()
+
+
 def test_hybrid_prefill_torch_native_decode_triton(deepseek: dict) -> None:
     from sglx.llm.engine import Engine
 
