@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglx.llm.kernels.rmsnorm import rms_rstd, rms_weighted
 from sglx.llm.kernels.rounding import round_to
 
 MAX_TOKENS = 256  # every expert block re-reads the token's row: meant for decode-sized steps
@@ -48,18 +49,18 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
     acc = tl.zeros([BLOCK_EP], dtype=tl.float32)
     dt = X.dtype.element_ty
     rstd = 1.0
-    if ADD_NORM:  # the row's mean square first (the rmsnorm kernel's float32 arithmetic)
+    if ADD_NORM:  # the row's mean square first (the rmsnorm kernel's float32 arithmetic, its helpers)
         if ONE_CHUNK:  # the whole row is one block: load it once and keep it in registers
             offs_h = tl.arange(0, BLOCK_H)
             whole = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(whole * whole, 0) / H + eps))
+            rstd = rms_rstd(tl.sum(whole * whole, 0), H, eps)
         else:
             sq = tl.zeros([BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 xf = _added_row(X, Residual, t, offs_h, offs_h < H, stride_x, stride_r, dt)
                 sq += xf * xf
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sq, 0) / H + eps))
+            rstd = rms_rstd(tl.sum(sq, 0), H, eps)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
@@ -69,7 +70,7 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
             else:
                 xf = _added_row(X, Residual, t, offs_h, h_mask, stride_x, stride_r, dt)
             nw = tl.load(Norm_W + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-            x = round_to(nw * round_to(xf * rstd, dt), dt)
+            x = rms_weighted(xf, rstd, nw, dt)
             if tl.program_id(1) == 0:  # the token's first program hands the row on to the experts
                 tl.store(Normed + t * stride_n + offs_h, x.to(dt), mask=h_mask)
                 tl.store(Residual_Out + t * stride_ro + offs_h, xf.to(dt), mask=h_mask)

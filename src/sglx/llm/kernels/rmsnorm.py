@@ -18,6 +18,18 @@ MAX_BLOCK = 65536  # one program holds a whole row; wider rows are not a real hi
 
 
 @triton.jit
+def rms_rstd(sum_sq, n_cols, eps):
+    """1 / sqrt(sum_sq / n_cols + eps) with IEEE sqrt and division: closest to torch.rsqrt."""
+    return tl.div_rn(1.0, tl.sqrt_rn(sum_sq / n_cols + eps))
+
+
+@triton.jit
+def rms_weighted(x, rstd, w, DT: tl.constexpr):
+    """HF's roundings of the normed row: x * rstd to DT, then the weight times that to DT (float32 values)."""
+    return round_to(w * round_to(x * rstd, DT), DT)
+
+
+@triton.jit
 def _rmsnorm_kernel(X, Residual, Weight, Out, Residual_Out, n_rows, n_cols, eps,
                     stride_x, stride_r, stride_o, stride_ro,
                     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -33,11 +45,9 @@ def _rmsnorm_kernel(X, Residual, Weight, Out, Residual_Out, n_rows, n_cols, eps,
         r = tl.load(Residual + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xf = round_to(r + xf, dt)  # torch's add: one rounding
         tl.store(Residual_Out + rows64[:, None] * stride_ro + cols[None, :], xf.to(dt), mask=mask)
-    mean_sq = tl.sum(xf * xf, axis=1) / n_cols
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))  # IEEE sqrt and division: closest to torch.rsqrt
-    normed = round_to(xf * rstd[:, None], dt)
+    rstd = rms_rstd(tl.sum(xf * xf, axis=1), n_cols, eps)
     w = tl.load(Weight + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = round_to(w[None, :] * normed, dt)
+    y = rms_weighted(xf, rstd[:, None], w[None, :], dt)
     tl.store(Out + rows64[:, None] * stride_o + cols[None, :], y.to(dt), mask=mask)
 
 
