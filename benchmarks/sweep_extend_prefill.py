@@ -32,6 +32,10 @@ from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attenti
 # default's 0.824-0.836x in the same run (not investigated further); it was removed.
 CONFIGS = [(None, None, None, None, None, False), (128, 128, 8, 2, True, False), (128, 64, 8, 3, True, False),
            (None, None, None, None, None, False)]
+# --schedule: session 16's two changes on the default launch, alternated with it: half the exponentials on the
+# FMA pipe (ExtendConfig.fma_exp) and programs ordered n (request, head) pairs at a time (ExtendConfig.section)
+SCHEDULE = [{}, {"fma_exp": True}, {"section": 8}, {}, {"section": 4}, {"section": 16}, {"fma_exp": True, "section": 8},
+            {}, {"fma_exp": True}, {"fma_exp": True, "section": 16}]
 SHAPES = [  # (name, batch, prefix, new, q heads, kv heads, configs: all or the first n)
     ("causal_4096_mha", 4, 0, 4096, 32, 32, None),
     ("causal_4096_gqa8", 4, 0, 4096, 32, 8, None),
@@ -91,6 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--schedule", action="store_true", help="time SCHEDULE (fma_exp / section) instead of CONFIGS")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -109,12 +114,15 @@ def main() -> None:
         entry = {"shape": name, "batch": b, "prefix": p, "new": n, "q_heads": hq, "kv_heads": hkv, "head_dim": 128,
                  "cudnn_ms": cudnn_ms, "cudnn_tflops": tf / cudnn_ms / 1e9, "configs": []}
         print(f"{name}: cuDNN {cudnn_ms:.4f} ms {tf / cudnn_ms / 1e9:.0f} TFLOP/s", flush=True)
-        for cfg in CONFIGS[:first]:
+        for cfg in (SCHEDULE if args.schedule else CONFIGS)[:first]:
             if time.time() - t0 > args.budget_s:
                 entry["configs"].append({"config": cfg, "skipped": "budget"})
                 continue
-            bm, bn, w, s, tma, ws = cfg
-            config = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, tma=tma, warp_specialize=ws)
+            if isinstance(cfg, dict):
+                config = ExtendConfig(**cfg)
+            else:
+                bm, bn, w, s, tma, ws = cfg
+                config = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, tma=tma, warp_specialize=ws)
             out = torch.empty(b * n, hq, 128, device="cuda", dtype=torch.bfloat16)
 
             def call(config=config, out=out, c=c, n=n, cached=b * p):

@@ -5,6 +5,8 @@ Run on the lent machine: PYTHONPATH=src python3 -m pytest -m gpu tests/gpu/test_
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ EXTEND = [
 @pytest.mark.parametrize("ext", [False, True], ids=["pool-only", "new-rows-from-ext"])
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype,window,cap", EXTEND)
 def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, window, cap, ext):
-    from sglx.attention.kernels.extend_attention import extend_attention
+    from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
     from sglx.attention.kernels.kv_indices import build_kv_indptr
     from triton_interpreted.paged import make_paged_cache, reference_attention
 
@@ -120,18 +122,22 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     kv_indptr, kv_indices = _indices(cache, lens)
     qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32, device=DEV))
     q = torch.randn(sum(new), hq, dim, device=DEV, dtype=dtype)
-    out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
-    extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
-                     dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, k_ext=k_new if ext else None, v_ext=v_new if ext else None)
-    torch.cuda.synchronize()
-    row = 0
-    for i, (p, n) in enumerate(zip(prefix, new)):
-        ref = reference_attention(q[row:row + n], cache.keys[i], cache.values[i], torch.arange(p, p + n),
-                                  dim ** -0.5, window, cap)
-        err = (out[row:row + n].double() - ref).abs().max().item()
-        assert err <= TOL[dtype], (i, err)
-        row += n
+    refs = [reference_attention(q[r:r + n], cache.keys[i], cache.values[i], torch.arange(p, p + n), dim ** -0.5,
+                                window, cap)
+            for i, (r, p, n) in enumerate(zip([0, *itertools.accumulate(new)], prefix, new))]
+    # the default launch; half the exponentials on the FMA pipe with programs ordered 8 (request, head) pairs at a time
+    for config in (ExtendConfig(), ExtendConfig(fma_exp=True, section=8)):
+        out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
+        extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
+                         dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
+                         fp8_dtype=pool.fp8_dtype, k_ext=k_new if ext else None, v_ext=v_new if ext else None,
+                         config=config)
+        torch.cuda.synchronize()
+        row = 0
+        for i, n in enumerate(new):
+            err = (out[row:row + n].double() - refs[i]).abs().max().item()
+            assert err <= TOL[dtype], (config, i, err)
+            row += n
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])

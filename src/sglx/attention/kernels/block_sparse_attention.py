@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
-from sglx.attention.kernels.common import LOG2E, dot, interpreted, tma_rows_descriptor
+from sglx.attention.kernels.common import LOG2E, dot, exp2_tile, interpreted, tma_rows_descriptor
 from sglx.errors import SglxError
 
 HEAD_DIMS = (64, 128)
@@ -32,6 +32,7 @@ class BlockSparseConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     tma: bool | None = None  # K/V tiles through TMA descriptors (CUDA SM90+); None: the device's default
+    fma_exp: bool = False  # TMA kernel: half of each score tile's exponentials on the FMA pipe (`common.exp2_fma`)
 
 
 @triton.jit
@@ -112,6 +113,7 @@ def _block_sparse_fwd_tma(
     stride_cb, stride_ch,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    FMA_EXP: tl.constexpr,
 ):
     """`_block_sparse_fwd` with K/V tiles loaded by TMA: key s of (batch row b, KV head h) is descriptor row
     b * row_b + h * row_h + s at column h * col_h. [B, S, Hkv, D] tensors are [B * S, Hkv * D] descriptors (row_b S,
@@ -152,7 +154,7 @@ def _block_sparse_fwd_tma(
                 valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
             qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        p = exp2_tile(qk * qk_scale - m_new[:, None], FMA_EXP)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -292,7 +294,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
             idx.stride(0) if idx.shape[0] > 1 else 0, idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2),
             cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,
             GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=layout.q_block, K_BLOCK=layout.k_block,
-            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, num_warps=num_warps, num_stages=num_stages,
+            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, FMA_EXP=config.fma_exp, num_warps=num_warps,
+            num_stages=num_stages,
         )
         return out
     _block_sparse_fwd[grid](

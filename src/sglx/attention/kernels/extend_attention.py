@@ -43,6 +43,13 @@ class ExtendConfig:
     # Triton's warp specialization of the key loops (`tl.range(warp_specialize=True)`: producer warps issue the
     # loads); off unless asked (measured by benchmarks/sweep_extend_prefill.py)
     warp_specialize: bool = False
+    # half of each score tile's exponentials on the FMA pipe instead of MUFU (`common.exp2_fma`, relative error
+    # 7.5e-5); fp16/bf16 queries only (float32 ones are the exact reference path)
+    fma_exp: bool = False
+    # program order: 0 = each (request, head)'s query blocks heaviest first, one pair after another (grid
+    # [query blocks, batch, heads]); n > 0 = n pairs at a time, heaviest first across all n (longest work first
+    # while their K/V stay in L2)
+    section: int = 0
 
 
 @triton.jit
@@ -53,6 +60,7 @@ def _extend_tiles(
     K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    FMA_EXP: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -93,7 +101,8 @@ def _extend_tiles(
         qk = dot(q, k, IEEE)
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
             qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head)[None, :]
-        p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
+        p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP,
+                                                       FMA_EXP)
         if SLOT_SCALES and not FROM_EXT:  # normalised by the tile's largest scale: no fp16 underflow
             v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head)
             v_top = tl.max(v_scale_n, 0)
@@ -111,14 +120,25 @@ def _extend_kernel(
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr, TMA: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, FMA_EXP: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     SLOT_SCALES: tl.constexpr,
 ):
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1)
-    head = tl.program_id(2)
+    if SECTION > 0:  # one axis: SECTION (request, head) pairs at a time, heaviest query blocks first across them
+        pid = tl.program_id(0)
+        per_section = SECTION * M_BLOCKS
+        first = (pid // per_section) * SECTION
+        size = tl.minimum(SECTION, NUM_BH - first)
+        r = pid % per_section
+        m_block = M_BLOCKS - 1 - r // size
+        bh = first + r % size
+        b = bh // HQ
+        head = bh % HQ
+    else:
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        b = tl.program_id(1)
+        head = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(Qo_Indptr + b)
@@ -164,19 +184,21 @@ def _extend_kernel(
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
+                                          FMA_EXP)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
+                                          FMA_EXP)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -254,7 +276,9 @@ def extend_attention(
     else:
         k_scales = v_scales = qo_indptr  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
-    grid = (triton.cdiv(max_extend_len, block_m), bs, hq)
+    m_blocks = triton.cdiv(max_extend_len, block_m)
+    section = min(config.section, bs * hq)
+    grid = (m_blocks * bs * hq, 1, 1) if section > 0 else (m_blocks, bs, hq)
     if not ext:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
     k_ext_arg, v_ext_arg = ((tma_rows_descriptor(k_ext, block_n), tma_rows_descriptor(v_ext, block_n)) if tma
@@ -265,7 +289,8 @@ def extend_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
-        EXT=ext, TMA=tma, WS=config.warp_specialize,
+        EXT=ext, TMA=tma, WS=config.warp_specialize, FMA_EXP=config.fma_exp and q.dtype != torch.float32,
+        SECTION=section, M_BLOCKS=m_blocks, NUM_BH=bs * hq, HQ=hq,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,
