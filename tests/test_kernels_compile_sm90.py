@@ -111,14 +111,14 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool) -> tuple:
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
-def _extend(ext: bool, tma: bool = False, fma_exp: bool = False, section: int = 0) -> tuple:
+def _extend(ext: bool, tma: bool = False, section: int = 0) -> tuple:
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
     block_n = 128 if tma else 64
     rows = f"tensordesc<bf16[{block_n}, 128]>" if tma else BF16
     ptrs = {"Q": BF16, "Out": BF16, "K_Buf": BF16, "V_Buf": BF16, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
-    consts = dict(EXT=ext, TMA=tma, WS=False, FMA_EXP=fma_exp, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
+    consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
                   BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=0, SOFTCAP=False, IEEE=False, SLOT_SCALES=False)
     return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
 
@@ -133,13 +133,13 @@ def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
     return kernel_source(_block_sparse_fwd, consts, ptrs, ("qk_scale",)), 4, 2
 
 
-def _block_sparse_tma(fma_exp: bool) -> tuple:
+def _block_sparse_tma(pairs: bool) -> tuple:
     from sglx.attention.kernels.block_sparse_attention import _block_sparse_fwd_tma
 
     ptrs = {"Q": BF16, "K_desc": "tensordesc<bf16[64, 128]>", "V_desc": "tensordesc<bf16[64, 128]>", "Out": BF16,
             "Kv_Indices": "*i32", "Kv_Counts": "*i32", "K_Lengths": "*i32"}
     consts = dict(GROUP=1, D=128, BLOCK_M=64, BLOCK_N=64, Q_BLOCK=64, K_BLOCK=64, MASK_KEYS=True, HAS_LENGTHS=True,
-                  FMA_EXP=fma_exp)
+                  PAIRS=pairs)
     return kernel_source(_block_sparse_fwd_tma, consts, ptrs, ("qk_scale",)), 4, 3
 
 
@@ -166,11 +166,11 @@ VARIANTS = {
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
     "extend, TMA rows": lambda: _extend(True, tma=True),
-    "extend, TMA rows, FMA exponentials, sections": lambda: _extend(True, tma=True, fma_exp=True, section=8),
+    "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),
     "block-sparse (diffusion), q map": lambda: _block_sparse(False, True),
     "block-sparse (diffusion), TMA": lambda: _block_sparse_tma(False),
-    "block-sparse (diffusion), TMA, FMA exponentials": lambda: _block_sparse_tma(True),
+    "block-sparse (diffusion), TMA, key tiles in pairs": lambda: _block_sparse_tma(True),
 }
 
 

@@ -201,52 +201,24 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def exp2_fma(x):
-    """2^x for x <= 0 with float adds, three FMAs and two integer ops: no MUFU (special-function) instruction.
-
-    Why: a 128x128 score tile's 16K exponentials take about 1,024 cycles of an SM's 16-a-clock MUFU.EX2 on
-    Hopper, half the tile's two tensor-core GEMMs; the FMA pipe (128 a clock) has room for part of them (the
-    FlashAttention-4 trick). x + 1.5*2^23 rounds x to the integer j in its low mantissa bits; 2^(x - j), x - j in
-    [-1/2, 1/2], is a cubic of relative error 7.5e-5 (fit here by iterated reweighted least squares), far below
-    the 2^-8 of the bf16/fp16 weights it feeds; j joins the exponent by an integer add. x below -126 (masked
-    scores: -inf) gives about 2^-126 instead of 0: negligible against a row's largest weight, which is 1.
-    """
-    x = tl.maximum(x, -126.0)
-    r = x + 12582912.0
-    f = x - (r - 12582912.0)
-    p = ((0.05517134 * f + 0.24261034) * f + 0.69326097) * f + 0.99992812
-    return (p.to(tl.int32, bitcast=True) + (r.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def exp2_tile(x, FMA_EXP: tl.constexpr):
-    """2^x of a [rows, cols] tile; FMA_EXP: every other column through `exp2_fma`, the rest through MUFU."""
-    if FMA_EXP:
-        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        return tl.reshape(tl.join(tl.exp2(a), exp2_fma(b)), [x.shape[0], x.shape[1]])
-    return tl.exp2(x)
-
-
-@triton.jit
-def online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                        FMA_EXP: tl.constexpr = False):
+def online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """One key tile of online softmax in the log2 domain -> (p, alpha, m_new, l_new).
 
     Without soft-cap the scale is applied as `qk * scale - m` (one FMA per score; scale > 0 keeps the
     row max); qk_scale then already holds log2(e). m_i starts finite (-1e30), so fully masked rows give
-    p = 0 (about 2^-126 with FMA_EXP, see `exp2_fma`) and alpha = 1 instead of NaN.
+    p = 0 and alpha = 1 instead of NaN.
     """
     if SOFTCAP:
         s = soft_cap(qk * qk_scale, logit_cap) * 1.4426950408889634
         if MASK:
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = exp2_tile(s - m_new[:, None], FMA_EXP)
+        p = tl.exp2(s - m_new[:, None])
     else:
         if MASK:
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = exp2_tile(qk * qk_scale - m_new[:, None], FMA_EXP)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 

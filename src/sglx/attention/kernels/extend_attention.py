@@ -43,9 +43,6 @@ class ExtendConfig:
     # Triton's warp specialization of the key loops (`tl.range(warp_specialize=True)`: producer warps issue the
     # loads); off unless asked (measured by benchmarks/sweep_extend_prefill.py)
     warp_specialize: bool = False
-    # half of each score tile's exponentials on the FMA pipe instead of MUFU (`common.exp2_fma`, relative error
-    # 7.5e-5); fp16/bf16 queries only (float32 ones are the exact reference path)
-    fma_exp: bool = False
     # program order: 0 = each (request, head)'s query blocks heaviest first, one pair after another (grid
     # [query blocks, batch, heads]); n > 0 = n pairs at a time, heaviest first across all n (longest work first
     # while their K/V stay in L2)
@@ -60,7 +57,6 @@ def _extend_tiles(
     K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    FMA_EXP: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -101,8 +97,7 @@ def _extend_tiles(
         qk = dot(q, k, IEEE)
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
             qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head)[None, :]
-        p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP,
-                                                       FMA_EXP)
+        p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
         if SLOT_SCALES and not FROM_EXT:  # normalised by the tile's largest scale: no fp16 underflow
             v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head)
             v_top = tl.max(v_scale_n, 0)
@@ -120,7 +115,7 @@ def _extend_kernel(
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr, TMA: tl.constexpr,
-    WS: tl.constexpr, FMA_EXP: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
+    WS: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     SLOT_SCALES: tl.constexpr,
@@ -184,21 +179,19 @@ def _extend_kernel(
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          FMA_EXP)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, FMA_EXP)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          FMA_EXP)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -289,8 +282,7 @@ def extend_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
-        EXT=ext, TMA=tma, WS=config.warp_specialize, FMA_EXP=config.fma_exp and q.dtype != torch.float32,
-        SECTION=section, M_BLOCKS=m_blocks, NUM_BH=bs * hq, HQ=hq,
+        EXT=ext, TMA=tma, WS=config.warp_specialize, SECTION=section, M_BLOCKS=m_blocks, NUM_BH=bs * hq, HQ=hq,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,
