@@ -52,8 +52,8 @@ def sta_case(grid, device):
     return tuple(to_order(t, order) for t in (q, k, v)), layout, CONFIGS_128
 
 
-def vsa_case(device, grid=(21, 30, 52)):
-    meta = DiTAttnMetadata(grid=grid, num_heads=12, head_dim=128)
+def vsa_case(device):
+    meta = DiTAttnMetadata(grid=(21, 30, 52), num_heads=12, head_dim=128)
     gen = torch.Generator().manual_seed(0)
     shape = (1, meta.seq_len, 12, 128)
     q, k = (clustered(shape, gen).to(device, torch.bfloat16) for _ in range(2))
@@ -62,23 +62,18 @@ def vsa_case(device, grid=(21, 30, 52)):
     return tuple(to_order(t, plan.order) for t in (q, k, v)), plan.layout, CONFIGS_64
 
 
-def sweep(name, tensors, layout, configs, device, save=None, pairs: bool = False) -> dict:
-    """Each config (block_m, block_n, warps, stages, tma, pairs) checked and timed after the default launch;
-    pairs: the default launch against key tiles in pairs (BlockSparseConfig.pairs) at 1-3 stages, alternated."""
+def sweep(name, tensors, layout, configs, device, save=None) -> dict:
     q, k, v = tensors
     scale = q.shape[-1] ** -0.5
     rows = torch.randperm(layout.seq_len, device=device)[:256].sort().values
     want = sampled_reference(q, k, v, layout, rows, scale)
-    default = (*_launch(BlockSparseConfig(), layout, q.shape[-1], q.device), False)
+    default = _launch(BlockSparseConfig(), layout, q.shape[-1], q.device)
     res = {"case": name, "density": layout.density(), "default": list(default), "runs": []}
-    paired = [(*default[:3], stages, True, True) for stages in (1, 2, 3)] + [(default[0], default[1], 8, 2, True, True)]
-    runs = ([default, *paired, default, paired[0], paired[1]] if pairs
-            else [default] + [(*c, False) for c in configs if (*c, False) != default])
-    for cfg in runs:
+    for cfg in [default] + [c for c in configs if c != default]:
         entry = {"block_m": cfg[0], "block_n": cfg[1], "warps": cfg[2], "stages": cfg[3], "tma": cfg[4],
-                 "pairs": cfg[5], "default": cfg == default}
+                 "default": cfg == default}
         try:
-            c = BlockSparseConfig(*cfg[:5], pairs=cfg[5])
+            c = BlockSparseConfig(*cfg)
             out = block_sparse_attention(q, k, v, layout, scale, config=c)
             entry["rel_err"] = rel_err(out[:, rows], want)
             if entry["rel_err"] <= 2e-2:
@@ -100,31 +95,24 @@ def sweep(name, tensors, layout, configs, device, save=None, pairs: bool = False
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--pairs", action="store_true",
-                    help="the default launch against key tiles in pairs (BlockSparseConfig.pairs), on the three "
-                         "cases and VSA on 18x48x80")
     args = ap.parse_args()
     device = torch.device("cuda")
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": []}
     import triton
     results["triton"] = triton.__version__
-    cases = [("STA 3x3x3 18x48x80 (85%)", lambda: sta_case((18, 48, 80), device)),
-             ("VSA 0.875 21x30x52 (64-token cubes)", lambda: vsa_case(device)),
-             ("STA 3x3x3 21x30x52 (padded tiles)", lambda: sta_case((21, 30, 52), device))]
-    if args.pairs:
-        cases.insert(1, ("VSA 0.875 18x48x80 (64-token cubes)", lambda: vsa_case(device, (18, 48, 80))))
-    for name, make in cases:
+    for name, make in (("STA 3x3x3 18x48x80 (85%)", lambda: sta_case((18, 48, 80), device)),
+                       ("VSA 0.875 21x30x52 (64-token cubes)", lambda: vsa_case(device)),
+                       ("STA 3x3x3 21x30x52 (padded tiles)", lambda: sta_case((21, 30, 52), device))):
         tensors, layout, configs = make()
 
         def save(partial):  # written after every config: a timeout keeps what was measured
             args.out.write_text(json.dumps({**results, "cases": results["cases"] + [partial]}, indent=1))
-        results["cases"].append(sweep(name, tensors, layout, configs, device, save, args.pairs))
+        results["cases"].append(sweep(name, tensors, layout, configs, device, save))
         args.out.write_text(json.dumps(results, indent=1))
     for r in results["cases"]:
         best = r.get("best", {})
         print(f"{r['case']}: default {r['default']} {r.get('default_ms')} ms; best "
-              f"{[best.get(x) for x in ('block_m', 'block_n', 'warps', 'stages', 'tma', 'pairs')]} "
-              f"{best.get('ms')} ms")
+              f"{[best.get(x) for x in ('block_m', 'block_n', 'warps', 'stages', 'tma')]} {best.get('ms')} ms")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,13 @@ from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attenti
 # default's 0.824-0.836x in the same run (not investigated further); it was removed.
 CONFIGS = [(None, None, None, None, None, False), (128, 128, 8, 2, True, False), (128, 64, 8, 3, True, False),
            (None, None, None, None, None, False)]
-# --schedule: program orders on the default launch, alternated with it (ExtendConfig.section: n (request, head) pairs
-# at a time). Session 16's first run (sweep_extend_fma_sections_h100_s16.json) also timed half the exponentials on
-# the FMA pipe (FlashAttention-4's exp2 emulation): 8-11% slower on every shape; removed.
-SCHEDULE = [{}, {"section": 4}, {"section": 8}, {}, {"section": 4}, {"section": 8}, {}, {"section": 4}]
+# --schedule: program orders on the default launch, alternated (ExtendConfig.section: n (request, head) pairs at a
+# time; 0 = one after another). Session 16 made 8 the SM90 default for GQA prefill
+# (sweep_extend_sections_h100_s16.json);
+# its first run (sweep_extend_fma_sections_h100_s16.json) also timed half the exponentials on the FMA pipe
+# (FlashAttention-4's exp2 emulation): 8-11% slower on every shape, removed.
+SCHEDULE = [{"section": 0}, {"section": 4}, {"section": 8}, {"section": 0}, {"section": 4}, {"section": 8},
+            {"section": 0}, {"section": 4}]
 SHAPES = [  # (name, batch, prefix, new, q heads, kv heads, configs: all or the first n)
     ("causal_4096_mha", 4, 0, 4096, 32, 32, None),
     ("causal_4096_gqa8", 4, 0, 4096, 32, 8, None),

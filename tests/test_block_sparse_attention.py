@@ -73,8 +73,7 @@ def test_gpu_matches_float64(dtype, b, hq, hkv, seq, dim, block):
         layout = BlockSparseLayout.from_block_mask(mask, block, block, seq, k_lengths)
         want = masked_attention(q.double(), k.double(), v.double(), layout)
         head_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # SVG2's permuted views
-        for config in (BlockSparseConfig(), BlockSparseConfig(tma=False), BlockSparseConfig(tma=True),
-                       BlockSparseConfig(tma=True, pairs=True)):
+        for config in (BlockSparseConfig(), BlockSparseConfig(tma=False), BlockSparseConfig(tma=True)):
             for qkv in ((q, k, v), head_major):  # the default, plain loads and TMA; token- and head-major K/V
                 got = block_sparse_attention(*qkv, layout, config=config)
                 err = ((got.double() - want).norm() / want.norm()).item()

@@ -133,13 +133,12 @@ def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
     return kernel_source(_block_sparse_fwd, consts, ptrs, ("qk_scale",)), 4, 2
 
 
-def _block_sparse_tma(pairs: bool) -> tuple:
+def _block_sparse_tma() -> tuple:
     from sglx.attention.kernels.block_sparse_attention import _block_sparse_fwd_tma
 
     ptrs = {"Q": BF16, "K_desc": "tensordesc<bf16[64, 128]>", "V_desc": "tensordesc<bf16[64, 128]>", "Out": BF16,
             "Kv_Indices": "*i32", "Kv_Counts": "*i32", "K_Lengths": "*i32"}
-    consts = dict(GROUP=1, D=128, BLOCK_M=64, BLOCK_N=64, Q_BLOCK=64, K_BLOCK=64, MASK_KEYS=True, HAS_LENGTHS=True,
-                  PAIRS=pairs)
+    consts = dict(GROUP=1, D=128, BLOCK_M=64, BLOCK_N=64, Q_BLOCK=64, K_BLOCK=64, MASK_KEYS=True, HAS_LENGTHS=True)
     return kernel_source(_block_sparse_fwd_tma, consts, ptrs, ("qk_scale",)), 4, 3
 
 
@@ -169,8 +168,7 @@ VARIANTS = {
     "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),
     "block-sparse (diffusion), q map": lambda: _block_sparse(False, True),
-    "block-sparse (diffusion), TMA": lambda: _block_sparse_tma(False),
-    "block-sparse (diffusion), TMA, key tiles in pairs": lambda: _block_sparse_tma(True),
+    "block-sparse (diffusion), TMA": _block_sparse_tma,
 }
 
 

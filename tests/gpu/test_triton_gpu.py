@@ -125,8 +125,8 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     refs = [reference_attention(q[r:r + n], cache.keys[i], cache.values[i], torch.arange(p, p + n), dim ** -0.5,
                                 window, cap)
             for i, (r, p, n) in enumerate(zip([0, *itertools.accumulate(new)], prefix, new))]
-    # the default launch, and programs ordered 8 (request, head) pairs at a time
-    for config in (ExtendConfig(), ExtendConfig(section=8)):
+    # programs one (request, head) after another, and 8 pairs at a time (the SM90 default for GQA prefill)
+    for config in (ExtendConfig(section=0), ExtendConfig(section=8)):
         out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
         extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                          dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],

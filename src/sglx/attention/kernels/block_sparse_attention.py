@@ -32,7 +32,6 @@ class BlockSparseConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     tma: bool | None = None  # K/V tiles through TMA descriptors (CUDA SM90+); None: the device's default
-    pairs: bool = False  # TMA kernel: two key tiles per softmax step (one accumulator rescale per two tiles)
 
 
 @triton.jit
@@ -106,24 +105,6 @@ def _block_sparse_fwd(
 
 
 @triton.jit
-def _tma_tile(q, K_desc, V_desc, row, it, row0, col, seq_len, K_Lengths, offs_n, BLOCK_N: tl.constexpr,
-              K_BLOCK: tl.constexpr, SUBS: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr):
-    """Key tile `it` of a query block's list (block it // SUBS, sub-tile it % SUBS) -> (scores, V tile)."""
-    kb = tl.load(row + it // SUBS)
-    sub = (it % SUBS) * BLOCK_N
-    start = kb * K_BLOCK + sub
-    k = K_desc.load([row0 + start, col])
-    v = V_desc.load([row0 + start, col])
-    qk = tl.dot(q, tl.trans(k))
-    if MASK_KEYS:
-        valid = (start + offs_n) < seq_len
-        if HAS_LENGTHS:
-            valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-    return qk, v
-
-
-@triton.jit
 def _block_sparse_fwd_tma(
     Q, K_desc, V_desc, Out, Kv_Indices, Kv_Counts, K_Lengths,
     qk_scale, seq_len, num_heads, row_b, row_h, col_h,
@@ -131,14 +112,12 @@ def _block_sparse_fwd_tma(
     stride_cb, stride_ch,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    PAIRS: tl.constexpr,
 ):
     """`_block_sparse_fwd` with K/V tiles loaded by TMA: key s of (batch row b, KV head h) is descriptor row
     b * row_b + h * row_h + s at column h * col_h. [B, S, Hkv, D] tensors are [B * S, Hkv * D] descriptors (row_b S,
     row_h 0, col_h D); head-major ones (a [B, Hkv, S, D] buffer seen as [B, S, Hkv, D]) are [B * Hkv * S, D] (row_b
     Hkv * S, row_h S, col_h 0). Rows past the tensor read as zeros; rows of the next (batch row, head) or padding
-    are masked like the plain kernel's. PAIRS: two key tiles per online-softmax step (one rescale of the
-    accumulator per two tiles; an odd last tile alone)."""
+    are masked like the plain kernel's."""
     SUBS: tl.constexpr = K_BLOCK // BLOCK_N
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -160,25 +139,18 @@ def _block_sparse_fwd_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    tiles = count * SUBS
-    single_from = 0
-    if PAIRS:
-        for it in range(0, tiles - 1, 2):
-            qk0, v0 = _tma_tile(q, K_desc, V_desc, row, it, row0, col, seq_len, K_Lengths, offs_n, BLOCK_N, K_BLOCK,
-                                SUBS, MASK_KEYS, HAS_LENGTHS)
-            qk1, v1 = _tma_tile(q, K_desc, V_desc, row, it + 1, row0, col, seq_len, K_Lengths, offs_n, BLOCK_N,
-                                K_BLOCK, SUBS, MASK_KEYS, HAS_LENGTHS)
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
-            p0 = tl.exp2(qk0 * qk_scale - m_new[:, None])
-            p1 = tl.exp2(qk1 * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1))
-            acc = tl.dot(p1.to(v1.dtype), v1, tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None]))
-            m_i = m_new
-        single_from = tiles - tiles % 2
-    for it in range(single_from, tiles):
-        qk, v = _tma_tile(q, K_desc, V_desc, row, it, row0, col, seq_len, K_Lengths, offs_n, BLOCK_N, K_BLOCK, SUBS,
-                          MASK_KEYS, HAS_LENGTHS)
+    for it in range(0, count * SUBS):
+        kb = tl.load(row + it // SUBS)
+        sub = (it % SUBS) * BLOCK_N
+        start = kb * K_BLOCK + sub
+        k = K_desc.load([row0 + start, col])
+        v = V_desc.load([row0 + start, col])
+        qk = tl.dot(q, tl.trans(k))
+        if MASK_KEYS:
+            valid = (start + offs_n) < seq_len
+            if HAS_LENGTHS:
+                valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
+            qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -320,8 +292,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
             idx.stride(0) if idx.shape[0] > 1 else 0, idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2),
             cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,
             GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=layout.q_block, K_BLOCK=layout.k_block,
-            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, PAIRS=config.pairs, num_warps=num_warps,
-            num_stages=num_stages,
+            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, num_warps=num_warps, num_stages=num_stages,
         )
         return out
     _block_sparse_fwd[grid](

@@ -4,7 +4,8 @@ Every key, the prefix's and this step's, is read from the KV pool through `kv_in
 stores this step's K/V first), exactly like the reference backend, so fp8 KV means the same numbers
 in both. One program owns BLOCK_M queries of one head of one request; its key range is cut into a
 masked low edge (sliding window), an unmasked middle and a masked diagonal, so only the edge tiles
-pay for masks. Query blocks run heaviest (last) first. fp8 per-token scales (`[rows, Hkv]` tensors) are
+pay for masks. Query blocks run heaviest (last) first, within each (request, head) or, in sections
+(`ExtendConfig.section`), across a few of them. fp8 per-token scales (`[rows, Hkv]` tensors) are
 loaded with each tile's slots and multiply scores and probabilities in registers, as in decode.
 """
 
@@ -45,8 +46,8 @@ class ExtendConfig:
     warp_specialize: bool = False
     # program order: 0 = each (request, head)'s query blocks heaviest first, one pair after another (grid
     # [query blocks, batch, heads]); n > 0 = n pairs at a time, heaviest first across all n (longest work first
-    # while their K/V stay in L2)
-    section: int = 0
+    # while their K/V stay in L2); None: the device's default (`_section`)
+    section: int | None = None
 
 
 @triton.jit
@@ -220,6 +221,18 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
             config.num_stages or stages)
 
 
+def _section(config: ExtendConfig, device: torch.device, interpret: bool, group: int, ext_heavy: bool) -> int:
+    """Program order (`ExtendConfig.section`): the config's, else 8 (request, head) pairs at a time on SM90+ for GQA
+    prefill that reads mostly this step's rows. Session 16's H100 runs (sweep_extend_sections_h100_s16.json, cuDNN
+    in the same run, 3 alternations): GQA-8 causal 4096 B4 0.810x -> 0.82x, 8192 B1 0.866x -> 0.90x, 2048 B2 0.691x
+    -> 0.737x; MHA unchanged (0.81-0.82x either way) and 512 new on a 4096 prefix 1.5% slower, so both keep 0."""
+    if config.section is not None:
+        return config.section
+    if interpret or torch.version.hip or not has_tma(device):
+        return 0
+    return 8 if group > 1 and ext_heavy else 0
+
+
 def _tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> bool:
     """Whether this launch loads this step's K/V rows by TMA: the config's choice, else on for SM90+ GPUs (session
     12's H100 sweep: +11-21% on causal prefill; see `_launch`)."""
@@ -259,8 +272,8 @@ def extend_attention(
         k_ext = k_ext.reshape(num_tokens, hkv, -1)
         v_ext = v_ext.reshape(num_tokens, hkv, -1)
     tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
-    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret,
-                                                      ext and prefix_tokens <= num_tokens, tma)
+    ext_heavy = ext and prefix_tokens <= num_tokens
+    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma)
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
     if slot_scales:
@@ -270,7 +283,7 @@ def extend_attention(
         k_scales = v_scales = qo_indptr  # unused
     qk_scale = scaling * k_scale * (1.0 if softcap else LOG2E)
     m_blocks = triton.cdiv(max_extend_len, block_m)
-    section = min(config.section, bs * hq)
+    section = min(_section(config, q.device, interpret, hq // hkv, ext_heavy), bs * hq)
     grid = (m_blocks * bs * hq, 1, 1) if section > 0 else (m_blocks, bs, hq)
     if not ext:
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
