@@ -297,8 +297,9 @@ def test_fused_moe_persistent_launch_equals_two_launches(tokens: int) -> None:
     routed = torch.rand(tokens, 64, generator=gen, device=DEV).argsort(dim=1)[:, :6]
     ids = torch.cat([routed, torch.arange(64, 66, device=DEV).expand(tokens, 2)], 1)
     weights = torch.cat([torch.rand(tokens, 6, generator=gen, device=DEV), torch.ones(tokens, 2, device=DEV)], 1)
-    want = fused_moe(x, w13, w2, weights, ids, shared=shared)
-    tiles = replace(default_tiles(ids.numel(), False), persistent=True)
+    tiles = default_tiles(ids.numel(), False)
+    want = fused_moe(x, w13, w2, weights, ids, shared=shared, tiles=replace(tiles, persistent=False))
+    tiles = replace(tiles, persistent=True)
     work = torch.zeros(work_entries(4096), dtype=torch.int32, device=DEV)
     for _ in range(2):
         got = fused_moe(x, w13, w2, weights, ids, shared=shared, tiles=tiles, work=work)
