@@ -221,20 +221,16 @@ def work_entries(num_blocks: int) -> int:
     return num_blocks + 2
 
 
-# (token, expert) pairs up to which both GEMMs run as one persistent launch by default: one V2-Lite token (6 routed + 2
-# shared). Session 16's H100 sweep (sweep_fused_moe_persistent_h100_s16.json, L2 flushed, alternated): one token 89 /
-# 130 us against the two launches' 112 / 152 us; 32 tokens even (0.400 against 0.397 ms), so they keep two launches.
-PERSISTENT_MAX_PAIRS = 8
-
-
 def default_tiles(num_pairs: int, interpret: bool) -> MoETiles:
     """Small row blocks for decode (each expert gets few rows; many column tiles keep every SM reading
-    weights), both GEMMs in one launch for a single token, bigger blocks once experts get many rows."""
+    weights), bigger ones once experts get many rows. Two launches, not the persistent one: session 16 timed one
+    V2-Lite token's MoE at about 20 us less with it in isolation (sweep_fused_moe_persistent_h100_s16.json, L2
+    flushed), but the V2-Lite batch-1 decode step with it as the default was no faster (3.08 / 3.26 ms against
+    3.05 / 3.11, alternated processes: benchmarks/results/s16/persistent_moe_ab/)."""
     if interpret:
         return MoETiles(16, GemmLaunch(32, 32, 1, 1), GemmLaunch(32, 32, 1, 1))
     if num_pairs <= 1024:
-        return MoETiles(16, GemmLaunch(64, 128, 4, 4), GemmLaunch(64, 128, 4, 4),
-                        persistent=num_pairs <= PERSISTENT_MAX_PAIRS)
+        return MoETiles(16, GemmLaunch(64, 128, 4, 4), GemmLaunch(64, 128, 4, 4))
     return MoETiles(64, GemmLaunch(128, 64, 8, 3), GemmLaunch(128, 64, 8, 3))
 
 

@@ -117,15 +117,15 @@ class RoutedExperts(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       add: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      aligned: tuple | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+                      aligned: tuple | None = None) -> torch.Tensor:
         """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
         `add` joins in the kernel that sums the top-k outputs; `shared` (gate_up, down weights of the shared
         experts) runs them as experts E.. in the same launches (ids/weights carry them: fused_moe); `aligned`:
-        the expert blocks the fused router already laid out; `work`: the persistent launch's kept zeros."""
+        the expert blocks the fused router already laid out."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
         return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add,
-                         shared=shared, aligned=aligned, work=work)
+                         shared=shared, aligned=aligned)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert; no host sync."""
@@ -159,17 +159,6 @@ class RoutedExperts(nn.Module):
         return out
 
 
-def _kept_zeros(buf: torch.Tensor | None, size: int, device: torch.device) -> torch.Tensor | None:
-    """`buf`, or int32 zeros of `size` on `device` for a kernel that leaves them zero, kept across steps. Made outside
-    any CUDA-graph capture (one made inside would be zeroed only by replays), so None there until an eager step made
-    them (the kernels then make their own inside the graph)."""
-    if buf is not None and buf.device == device:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    return torch.zeros(size, dtype=torch.int32, device=device)
-
-
 class DeepseekMoE(nn.Module):
     """Routed experts (weighted top-k) plus always-on shared experts."""
 
@@ -184,7 +173,6 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (GatedMLP(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
         self._tickets: torch.Tensor | None = None  # the fused router's (see _router_tickets)
-        self._work: torch.Tensor | None = None  # fused_moe's persistent launch's (see _moe_work)
 
     def _fused_router_applies(self, x: torch.Tensor) -> bool:
         """V2's greedy softmax router on a decode-sized step on a GPU: one launch (sglx.llm.kernels.moe_router)."""
@@ -221,17 +209,14 @@ class DeepseekMoE(nn.Module):
         return weights, ids, None, None
 
     def _router_tickets(self, device: torch.device) -> torch.Tensor | None:
-        """The fused router's int32 zeros (`_kept_zeros`)."""
-        self._tickets = _kept_zeros(self._tickets, ROUTER_MAX_TOKENS, device)
-        return self._tickets
-
-    def _moe_work(self, device: torch.device) -> torch.Tensor | None:
-        """fused_moe's persistent launch's int32 zeros (`_kept_zeros`), enough for the pairs it runs for (moe_align
-        never makes more expert blocks than pairs)."""
-        from sglx.llm.kernels.fused_moe import PERSISTENT_MAX_PAIRS, work_entries
-
-        self._work = _kept_zeros(self._work, work_entries(PERSISTENT_MAX_PAIRS), device)
-        return self._work
+        """int32 zeros the fused router leaves zero, kept across steps; made outside any CUDA-graph capture (one
+        made inside would be zeroed only by replays), so None there until an eager step made them."""
+        tickets = self._tickets
+        if tickets is None or tickets.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            tickets = self._tickets = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+        return tickets
 
     def _shared_in_kernel(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' (gate_up, down) weights where they can run inside fused_moe's launches."""
@@ -248,11 +233,9 @@ class DeepseekMoE(nn.Module):
         shared = self._shared_in_kernel()
         if shared is not None:
             weights, ids, aligned, _ = self.route(x, self.cfg.n_shared_experts)
-            return self.experts.forward_fused(x, weights, ids, shared=shared, aligned=aligned,
-                                              work=self._moe_work(x.device))
+            return self.experts.forward_fused(x, weights, ids, shared=shared, aligned=aligned)
         weights, ids, aligned, _ = self.route(x)
-        return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned,
-                                          work=self._moe_work(x.device))
+        return self.experts.forward_fused(x, weights, ids, add=mlp(x) if mlp is not None else None, aligned=aligned)
 
     def forward_after_norm(self, delta: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +248,6 @@ class DeepseekMoE(nn.Module):
                 and norm.weight.dtype == delta.dtype == residual.dtype):
             weights, ids, aligned, (h, residual) = self.route(delta, self.cfg.n_shared_experts,
                                                               add_norm=(residual, norm.weight, norm.eps))
-            return (self.experts.forward_fused(h, weights, ids, shared=shared, aligned=aligned,
-                                               work=self._moe_work(h.device)), residual)
+            return self.experts.forward_fused(h, weights, ids, shared=shared, aligned=aligned), residual
         h, residual = norm.add_and_norm(delta, residual)
         return self.forward(h), residual
