@@ -4,8 +4,9 @@ Issue 14: the batch-1 decode step of V2-Lite spends about 1.42 ms a step in the 
 the dense first one), against about 1.07 ms to read the chosen experts' weights at the H100's rated bandwidth.
 Shapes: hidden 2048, expert width 1408, 64 routed experts (top 6) and 2 shared experts run as experts 64, 65 of
 weight 1, as DeepseekMoE runs them; batches 1 and 32 (distinct random experts per token). Coordinate search: the
-gate/up launch first (down at the default), then the down launch with the best gate/up, then both GEMMs in one
-persistent launch (`MoETiles.persistent`, the default tiles; not the engine's default yet). Each config is checked
+gate/up launch first (down at the default), then the down launch with the best gate/up; both GEMMs in one
+persistent launch (`MoETiles.persistent`, the default tiles; not the engine's default: session 16) are timed right
+after the default and again at the end, whatever budget is left. Each config is checked
 against the default config's output (relative error <= 1e-2) before it is timed; medians with L2 flushed
 (sglx.bench.timing); "floor" = the distinct experts' weight bytes / the device-to-device copy bandwidth (bytes read
 and written per second, what a streaming kernel reaches) measured in the same run. (Session 15's recorded file,
