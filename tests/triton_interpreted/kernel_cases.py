@@ -185,11 +185,12 @@ EXTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ext,tma", [(False, False), (True, False), (True, True)],
-                         ids=["pool-only", "new-rows-from-ext", "new-rows-through-tma"])
+@pytest.mark.parametrize("ext,tma,section", [(False, False, 0), (True, False, 0), (True, True, 0), (True, True, 3)],
+                         ids=["pool-only", "new-rows-from-ext", "new-rows-through-tma", "tma-in-head-sections"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap", EXTEND_CASES)
 def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap,
-                                                   ext, tma):
+                                                   ext, tma, section):
+    """section 3: programs ordered 3 (request, head) pairs at a time, the last section short (ExtendConfig.section)."""
     prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]  # no prefix, a decode-like row, both, an empty row
     lens = [p + n for p, n in zip(prefix, new)]
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
@@ -202,36 +203,8 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
     out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
     extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, interpret=True, config=ExtendConfig(tma=tma),
+                     fp8_dtype=pool.fp8_dtype, interpret=True, config=ExtendConfig(tma=tma, section=section),
                      k_ext=k_new.to(dtype) if ext else None, v_ext=v_new.to(dtype) if ext else None)
-    row = 0
-    for i, (p, n) in enumerate(zip(prefix, new)):
-        ref = reference_attention(q[row:row + n], cache.keys[i], cache.values[i], torch.arange(p, p + n),
-                                  dim ** -0.5, window, cap)
-        err = (out[row:row + n].double() - ref).abs().max().item() if n else 0.0
-        assert err <= TOL[dtype], (i, err)
-        row += n
-
-
-@pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap",
-                         [c for c in EXTEND_CASES if c[4] == torch.float16])
-def test_extend_in_head_sections_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap):
-    """Programs ordered 3 (request, head) pairs at a time (a last, short section) give the float64 answer like the
-    default launch."""
-    prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]
-    lens = [p + n for p, n in zip(prefix, new)]
-    cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
-                             fill=prefix, seed=dim + 5)
-    pool = cache.pool
-    k_new, v_new = cache.store_new(prefix, scales)
-    kv_indptr, kv_indices = _indices(cache, lens)
-    qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
-    q = torch.randn(sum(new), hq, dim, generator=torch.Generator().manual_seed(6)).to(dtype)
-    out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
-    extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
-                     dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, interpret=True, config=ExtendConfig(tma=True, section=3),
-                     k_ext=k_new.to(dtype), v_ext=v_new.to(dtype))
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):
         ref = reference_attention(q[row:row + n], cache.keys[i], cache.values[i], torch.arange(p, p + n),

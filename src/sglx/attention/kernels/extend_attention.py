@@ -223,9 +223,10 @@ def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret
 
 def _section(config: ExtendConfig, device: torch.device, interpret: bool, group: int, ext_heavy: bool) -> int:
     """Program order (`ExtendConfig.section`): the config's, else 8 (request, head) pairs at a time on SM90+ for GQA
-    prefill that reads mostly this step's rows. Session 16's H100 runs (sweep_extend_sections_h100_s16.json, cuDNN
-    in the same run, 3 alternations): GQA-8 causal 4096 B4 0.810x -> 0.82x, 8192 B1 0.866x -> 0.90x, 2048 B2 0.691x
-    -> 0.737x; MHA unchanged (0.81-0.82x either way) and 512 new on a 4096 prefix 1.5% slower, so both keep 0."""
+    prefill that reads mostly this step's rows. Session 16's two H100 runs (sweep_extend_{fma_,}sections_h100_s16.json,
+    x cuDNN's causal call in the same run, alternated): GQA-8 causal 4096 B4 0.798-0.826 (mean 0.811) -> 0.808-0.849
+    (0.830), 8192 B1 0.864-0.867 -> 0.891-0.909, 2048 B2 0.690-0.693 -> 0.736-0.739; MHA within the noise (0.771-0.824
+    -> 0.792-0.823) and 512 new on a 4096 prefix 1-1.5% slower, so both keep 0."""
     if config.section is not None:
         return config.section
     if interpret or torch.version.hip or not has_tma(device):
