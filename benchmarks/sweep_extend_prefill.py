@@ -34,8 +34,8 @@ CONFIGS = [(None, None, None, None, None, False), (128, 128, 8, 2, True, False),
            (None, None, None, None, None, False)]
 # --schedule: program orders on the default launch, alternated (ExtendConfig.section: n (request, head) pairs at a
 # time; 0 = one after another). Session 16 made 8 the SM90 default for GQA prefill
-# (sweep_extend_sections_h100_s16.json);
-# its first run (sweep_extend_fma_sections_h100_s16.json) also timed half the exponentials on the FMA pipe
+# (sweep_extend_sections_h100_s16.json).
+# Its first run (sweep_extend_fma_sections_h100_s16.json) also timed half the exponentials on the FMA pipe
 # (FlashAttention-4's exp2 emulation): 8-11% slower on every shape, removed.
 SCHEDULE = [{"section": 0}, {"section": 4}, {"section": 8}, {"section": 0}, {"section": 4}, {"section": 8},
             {"section": 0}, {"section": 4}]
