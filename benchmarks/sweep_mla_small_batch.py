@@ -29,7 +29,7 @@ from sglx.attention.kernels.mla_decode import (
     resolve_config,
     split_chunk,
 )
-from sglx.bench.timing import per_call_us_in_graph
+from sglx.bench.timing import checked_us_in_graph
 
 R, DR = 512, 64
 
@@ -62,15 +62,7 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
 
         row: dict = dict(config=asdict(resolved), splits=splits, chunk=split_chunk(resolved, batch, heads),
                          default=config == MLADecodeConfig())
-        try:
-            err = (call(0).double() - want).abs().max().item()
-            row["max_abs_error"] = err
-            if err > 3e-2:
-                row["error"] = f"max abs error {err:.3g}: not timed"
-            else:
-                row["us_per_call"] = per_call_us_in_graph(call, layers, device)
-        except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        row.update(checked_us_in_graph(call, layers, want, 3e-2, device))
         rows.append(row)
     timed = sorted((r for r in rows if "us_per_call" in r), key=lambda r: r["us_per_call"])
     default = next((r for r in rows if r["default"]), {})

@@ -118,6 +118,24 @@ def per_call_us_in_graph(call: Callable[[int], object], calls: int, device: torc
     return median_ms(replay, device, budget).median_ms * 1e3 / calls
 
 
+def checked_us_in_graph(call: Callable[[int], torch.Tensor], calls: int, want: torch.Tensor, max_abs_error: float,
+                        device: torch.device) -> dict:
+    """A launch sweep's row fields for one config: `max_abs_error` of call(0) against `want` (compared in want's
+    dtype), then `us_per_call` from `per_call_us_in_graph` only where that error is within the bound; a config that is
+    wrong, fails to compile or to run gets `error` instead, so the sweep goes on."""
+    row: dict = {}
+    try:
+        err = (call(0).to(want.dtype) - want).abs().max().item()
+        row["max_abs_error"] = err
+        if err > max_abs_error:
+            row["error"] = f"max abs error {err:.3g}: not timed"
+        else:
+            row["us_per_call"] = per_call_us_in_graph(call, calls, device)
+    except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, budget: TimingBudget = TimingBudget()) -> float:
     """Achieved bytes/s of a device-to-device copy (bytes read + bytes written per second).
 
