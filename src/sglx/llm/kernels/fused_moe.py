@@ -13,8 +13,8 @@ w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
 
 `MoETiles(persistent=True)` runs (2) and (3) as one launch of one program per SM that takes tiles from a queue,
 a block's down tiles waiting on its gate/up tiles (one launch, ramp and tail less a layer). It is tested (bitwise
-equal to the two launches, interpreted; compiled for sm_90a) but not the default: it has not been timed on a GPU yet
-(benchmarks/sweep_fused_moe.py times it).
+equal to the two launches, interpreted and on the H100; compiled for sm_90a) but not the default: session 16 found it
+faster in isolation and no faster in the V2-Lite decode step (`default_tiles`; benchmarks/sweep_fused_moe.py).
 """
 
 from __future__ import annotations
