@@ -168,10 +168,16 @@ def _mla_decode_stage1(
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+        # each tile's slot ids are loaded one iteration early: the copy of the next tile, which the pipeliner
+        # issues at the end of an iteration, then never waits on a global load of its addresses (H200, session
+        # 17: B64 H128 ctx 4096 0.325 -> 0.304 ms; batch 1, 16 heads, 544 keys 9.66 -> 9.36 us a call)
+        next_slots = tl.load(Kv_Indices + kv_start + lo + tl.arange(0, BLOCK_N), mask=lo + tl.arange(0, BLOCK_N) < hi,
+                             other=0)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
-            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+            slots = next_slots.to(tl.int64)
+            next_slots = tl.load(Kv_Indices + kv_start + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < hi, other=0)
             rows = Kv_Buf + slots[None, :] * stride_kt
             c = tl.load(rows + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [R, N]
             c = kv_tile_to_compute(c, FMT, False, q_lat.dtype)
