@@ -52,8 +52,8 @@ def sta_case(grid, device):
     return tuple(to_order(t, order) for t in (q, k, v)), layout, CONFIGS_128
 
 
-def vsa_case(device):
-    meta = DiTAttnMetadata(grid=(21, 30, 52), num_heads=12, head_dim=128)
+def vsa_case(device, grid=(21, 30, 52)):
+    meta = DiTAttnMetadata(grid=grid, num_heads=12, head_dim=128)
     gen = torch.Generator().manual_seed(0)
     shape = (1, meta.seq_len, 12, 128)
     q, k = (clustered(shape, gen).to(device, torch.bfloat16) for _ in range(2))
@@ -95,15 +95,25 @@ def sweep(name, tensors, layout, configs, device, save=None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", default="", help="comma-separated (block_m, block_n, warps, stages, tma) tuples to time "
+                    "besides the default, e.g. '128-64-4-3-1'; empty: the whole sweep")
+    ap.add_argument("--vsa-wan-720p", action="store_true", help="also VSA 0.875 on 18x48x80 (issue 11's target canvas)")
     args = ap.parse_args()
+    only = [tuple(int(x) for x in c.split("-")) for c in args.only.split(",") if c]
+    only = [c[:4] + (bool(c[4]),) for c in only]
     device = torch.device("cuda")
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": []}
     import triton
     results["triton"] = triton.__version__
-    for name, make in (("STA 3x3x3 18x48x80 (85%)", lambda: sta_case((18, 48, 80), device)),
-                       ("VSA 0.875 21x30x52 (64-token cubes)", lambda: vsa_case(device)),
-                       ("STA 3x3x3 21x30x52 (padded tiles)", lambda: sta_case((21, 30, 52), device))):
+    cases = [("STA 3x3x3 18x48x80 (85%)", lambda: sta_case((18, 48, 80), device)),
+             ("VSA 0.875 21x30x52 (64-token cubes)", lambda: vsa_case(device)),
+             ("STA 3x3x3 21x30x52 (padded tiles)", lambda: sta_case((21, 30, 52), device))]
+    if args.vsa_wan_720p:
+        cases.append(("VSA 0.875 18x48x80 (64-token cubes)", lambda: vsa_case(device, (18, 48, 80))))
+    for name, make in cases:
         tensors, layout, configs = make()
+        if args.only:  # tiles that do not divide the case's blocks fail their row, quickly
+            configs = only
 
         def save(partial):  # written after every config: a timeout keeps what was measured
             args.out.write_text(json.dumps({**results, "cases": results["cases"] + [partial]}, indent=1))
