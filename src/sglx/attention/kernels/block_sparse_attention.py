@@ -73,10 +73,8 @@ def _block_sparse_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    kb_next = tl.load(row, mask=count > 0, other=0)
     for it in range(0, count * SUBS):
-        kb = kb_next  # loaded one iteration early: the pipelined copies of a later tile never wait on it
-        kb_next = tl.load(row + (it + 1) // SUBS, mask=it + 1 < count * SUBS, other=0)
+        kb = tl.load(row + it // SUBS)
         sub = (it % SUBS) * BLOCK_N
         keys = kb * K_BLOCK + sub + offs_n
         k_ptrs = k_base + keys[None, :].to(tl.int64) * stride_ks + offs_d[:, None]
@@ -141,10 +139,8 @@ def _block_sparse_fwd_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    kb_next = tl.load(row, mask=count > 0, other=0)
     for it in range(0, count * SUBS):
-        kb = kb_next  # loaded one iteration early: the pipelined copies of a later tile never wait on it
-        kb_next = tl.load(row + (it + 1) // SUBS, mask=it + 1 < count * SUBS, other=0)
+        kb = tl.load(row + it // SUBS)
         sub = (it % SUBS) * BLOCK_N
         start = kb * K_BLOCK + sub
         k = K_desc.load([row0 + start, col])

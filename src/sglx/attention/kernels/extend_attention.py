@@ -66,15 +66,8 @@ def _extend_tiles(
     (FROM_EXT only) K_Ext/V_Ext are [T, Hkv * D] descriptors: rows past the tensor read as zeros, rows of the
     next request are finite and hidden by the causal/length mask of the MASKED tiles.
     """
-    if not FROM_EXT:  # pool tiles: slot ids one tile ahead, so a later tile's pipelined gathers never wait on them
-        offs_next = lo + tl.arange(0, BLOCK_N)
-        next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < kv_len, other=0)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if not FROM_EXT:
-            slots = next_slots.to(tl.int64)  # keys past kv_len read slot 0 (and are masked)
-            offs_next = offs_n + BLOCK_N
-            next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < kv_len, other=0)
         if FROM_EXT and TMA:
             k = tl.trans(K_Ext.load([ext_row0 + start, ext_col_k]))
             v = V_Ext.load([ext_row0 + start, ext_col_v])
@@ -87,11 +80,13 @@ def _extend_tiles(
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         elif MASKED:
             n_mask = offs_n < kv_len
+            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         else:
+            slots = tl.load(Kv_Indices + kv_start + offs_n).to(tl.int64)
             k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                         mask=d_mask[:, None], other=0.0)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
