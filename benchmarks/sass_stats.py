@@ -44,6 +44,9 @@ DECODE = {
     "per-token exponent block_n 128": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "BLOCK_N": 128}, 4, 3),
     "per-token exponent 2 stages": ({"SLOT_SCALES": True, "SCALE_FOLD": 1}, 4, 2),
     "per-token exponent ptx_kv": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "CVT": 2}, 4, 3),
+    "per-layer, slots a tile ahead": ({"PREFETCH": True}, 4, 3),
+    "per-token exponent block_n 128, a tile ahead": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "BLOCK_N": 128,
+                                                      "PREFETCH": True}, 4, 3),
 }
 MLA = {
     "bf16 wide (default)": ({"FMT": 0, "BLOCK_H": 64, "BLOCK_N": 64}, 8, 2),
@@ -55,7 +58,7 @@ MLA = {
 def decode_source(over: dict) -> ASTSource:
     consts = dict(MERGE_HERE=False, BLOCK_S=2, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
                   BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1, SOFTCAP=False, IEEE=False, CVT=1, SLOT_SCALES=False,
-                  SCALE_FOLD=0) | over
+                  SCALE_FOLD=0, PREFETCH=False) | over
     ptrs = {"Q": "*bf16", "K_Buf": "*u8", "V_Buf": "*u8", "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
             "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16", "Semaphores": "*i32", "K_Scale": "*fp32",
             "V_Scale": "*fp32"}

@@ -99,7 +99,8 @@ def _per_head_gemv() -> tuple:
     return kernel_source(_per_head_gemv_kernel, dict(BLOCK_T=16, BLOCK_K=128, BLOCK_N=64, IEEE=False), ptrs), 4, 3
 
 
-def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool) -> tuple:
+def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: bool = False,
+                   fold: int = 1) -> tuple:
     from sglx.attention.kernels.decode_attention import _decode_stage1
 
     kv = "*u8" if fp8 else BF16
@@ -107,7 +108,7 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool) -> tuple:
             "Mid_Lse": "*fp32", "Out": BF16, "Semaphores": "*i32", "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(MERGE_HERE=merge_here, BLOCK_S=64, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
                   BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1 if fp8 else 0, SOFTCAP=False, IEEE=False,
-                  CVT=1 if fp8 else 0, SLOT_SCALES=slot_scales, SCALE_FOLD=1)
+                  CVT=1 if fp8 else 0, SLOT_SCALES=slot_scales, SCALE_FOLD=fold, PREFETCH=prefetch)
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
@@ -162,6 +163,9 @@ VARIANTS = {
     "per-head gemv": _per_head_gemv,
     "decode stage 1, in-kernel merge": lambda: _decode_stage1(True, False, False),
     "decode stage 1, fp8 per-token scales": lambda: _decode_stage1(False, True, True),
+    "decode stage 1, fp8 one scale a layer, slots a tile ahead": lambda: _decode_stage1(False, True, False, True),
+    "decode stage 1, fp8 per-token scales a tile ahead": lambda: _decode_stage1(False, True, True, True),
+    "decode stage 1, fp8 per-token tile_max scales a tile ahead": lambda: _decode_stage1(False, True, True, True, 0),
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
     "extend, TMA rows": lambda: _extend(True, tma=True),

@@ -179,10 +179,11 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["slots-in-step", "slots-a-tile-ahead"])
 @pytest.mark.parametrize("fold", ["tile_max", "exponent"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,window,cap,max_splits,merge", DECODE_CASES)
 def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap,
-                                                      max_splits, merge, fold):
+                                                      max_splits, merge, fold, prefetch):
     lens = [1, 50, 23]
     cache = Cache(lens, page, hkv, dim, dtype, kv_cache_dtype, seed=dim)
     kv_indptr, kv_indices = cache.indices(lens)
@@ -196,7 +197,8 @@ def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype,
     decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=pool.k_scale[0],
                      v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
-                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold), interpret=True, semaphores=sems)
+                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold, prefetch_slots=prefetch), interpret=True,
+                     semaphores=sems)
     for i, n in enumerate(lens):
         k, v = cache.held(i, n)
         ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5, window, cap)
@@ -208,7 +210,8 @@ def test_decode_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype,
         assert (plain - ref).abs().max().item() <= 10 * TOL[dtype]
 
 
-def test_decode_exponent_fold_with_scales_far_apart_and_garbage_in_unused_slots():
+@pytest.mark.parametrize("prefetch", [False, True], ids=["slots-in-step", "slots-a-tile-ahead"])
+def test_decode_exponent_fold_with_scales_far_apart_and_garbage_in_unused_slots(prefetch):
     """fp16 weights with V scales spread over 2^-24 .. 2^1 inside one request (a tile's scales up to 2^25 apart,
     more than fp16's normal range spans) and NaN/inf/0/negative scales in the reserved slots that masked lanes
     read (the "exponent" fold loads scales unmasked): float64 over the stored bytes, at fp16 output rounding.
@@ -235,7 +238,7 @@ def test_decode_exponent_fold_with_scales_far_apart_and_garbage_in_unused_slots(
     mid_lse = torch.empty(len(lens), hq, max_splits)
     decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
-                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold), interpret=True)
+                     config=DecodeConfig(min_chunk=16, token_scale_fold=fold, prefetch_slots=prefetch), interpret=True)
     for i, n in enumerate(lens):
         k, v = cache.held(i, n)
         ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5)

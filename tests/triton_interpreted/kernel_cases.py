@@ -145,11 +145,12 @@ def _poison_page_tails(cache, lens: list[int], page: int) -> None:
             buf[tail] = 0x7F if buf.dtype == torch.uint8 else float("nan")
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+@pytest.mark.parametrize("tma,prefetch", [(False, False), (True, False), (False, True)],
+                         ids=["loads", "tma", "slots-a-tile-ahead"])
 @pytest.mark.parametrize("merge", ["second-kernel", "last-split"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap,max_splits", DECODE_CASES)
 def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap, max_splits, merge,
-                                tma):
+                                tma, prefetch):
     lens = [1, 70, 33]  # a one-token request, one that needs every split, one in between
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales, seed=dim)
     if tma:  # TMA applies to pages of whole 16-key tiles without a window: the others check the fallback
@@ -163,8 +164,8 @@ def test_decode_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scale
     pool = cache.pool
     decode_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
-                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16, tma=tma), interpret=True,
-                     semaphores=sems, page_size=page)
+                     fp8_dtype=pool.fp8_dtype, config=DecodeConfig(min_chunk=16, tma=tma, prefetch_slots=prefetch),
+                     interpret=True, semaphores=sems, page_size=page)
     if sems is not None:
         assert sems.eq(0).all()  # every launch leaves them ready for the next (graph replays rely on it)
     for i, n in enumerate(lens):

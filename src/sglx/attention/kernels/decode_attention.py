@@ -77,6 +77,13 @@ class DecodeConfig:
     # K/V tiles by TMA (CUDA SM90+): only where every tile is BLOCK_N consecutive slots of one page (the caller's
     # page size a multiple of block_n, no sliding window); None: off (session 12 measures it)
     tma: bool | None = None
+    # load each tile's slot ids (and per-slot scales) one tile ahead, so the pipelined K/V gathers never wait on
+    # a global load of their addresses. None: on for fp8 KV, except per-token scales on pages under 16 slots.
+    # H200, B64 Hq32/Hkv8 ctx 4096, same call, alternated (benchmarks/results/s17/fp8_decode_prefetch_*): one
+    # scale a layer 0.216 -> 0.188 ms (pages 1 and 16); per-token scales with 128-key tiles at page 16 0.256 ->
+    # 0.220; bf16 0.269 -> 0.319 (slower: a real third K/V stage, fewer programs per SM), hence off there;
+    # per-token at page 1: 0.258 -> 0.269 at 3 stages, 0.241 without it at 2 stages (the page-1 default)
+    prefetch_slots: bool | None = None
 
     def __post_init__(self) -> None:
         if self.token_scale_fold is not None and self.token_scale_fold not in TOKEN_SCALE_FOLDS:
@@ -145,7 +152,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr, SLOT_SCALES: tl.constexpr,
-    SCALE_FOLD: tl.constexpr,
+    SCALE_FOLD: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     kv_head = tl.program_id(0) // HEAD_BLOCKS  # heads vary fastest: neighbours read the same tokens' rows
     head_block = tl.program_id(0) % HEAD_BLOCKS
@@ -171,6 +178,12 @@ def _decode_stage1(
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        if PREFETCH:  # slot ids (and per-slot scales) one tile ahead: no gather waits on a load of its addresses
+            offs_next = lo + tl.arange(0, BLOCK_N)
+            next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < hi, other=0).to(tl.int64)
+            if SLOT_SCALES:  # masked keys read slot 0's scales: whatever they hold, unused
+                next_k_s = tl.load(K_Scale + next_slots * stride_ks + kv_head)
+                next_v_s = tl.load(V_Scale + next_slots * stride_vs + kv_head)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
@@ -179,18 +192,32 @@ def _decode_stage1(
                 slots = first.to(tl.int64) + tl.arange(0, BLOCK_N)  # past hi: the same page's later slots
                 k = tl.trans(K_Buf.load([first, kv_head * D]))
             else:
-                slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+                if PREFETCH:
+                    slots = next_slots
+                    if SLOT_SCALES:
+                        k_s, v_s = next_k_s, next_v_s
+                    offs_next = offs_n + BLOCK_N
+                    next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < hi, other=0).to(tl.int64)
+                    if SLOT_SCALES:
+                        next_k_s = tl.load(K_Scale + next_slots * stride_ks + kv_head)
+                        next_v_s = tl.load(V_Scale + next_slots * stride_vs + kv_head)
+                else:
+                    slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                             mask=n_mask[None, :] & d_mask[:, None], other=0.0)
             k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
             qk = dot(q, k, IEEE)
             if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
-                scale_row = slots * stride_ks + kv_head  # masked keys read slot 0's scales: whatever they hold, unused
-                p, alpha, m_new, l_i = scaled_softmax_step(qk, n_mask[None, :], tl.load(K_Scale + scale_row),
-                                                           tl.load(V_Scale + scale_row), m_i, l_i, qk_scale,
+                if not PREFETCH:  # masked keys read slot 0's scales: whatever they hold, unused
+                    scale_row = slots * stride_ks + kv_head
+                    k_s = tl.load(K_Scale + scale_row)
+                    v_s = tl.load(V_Scale + scale_row)
+                p, alpha, m_new, l_i = scaled_softmax_step(qk, n_mask[None, :], k_s, v_s, m_i, l_i, qk_scale,
                                                            logit_cap, SOFTCAP)
             else:
-                if SLOT_SCALES:
+                if SLOT_SCALES and PREFETCH:
+                    qk = qk * tl.where(n_mask, k_s, 0.0)[None, :]
+                elif SLOT_SCALES:
                     qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head, mask=n_mask, other=0.0)[None, :]
                 p, alpha, m_new, l_i = online_softmax_step(qk, n_mask[None, :], m_i, l_i, qk_scale,
                                                            logit_cap, True, SOFTCAP)
@@ -203,7 +230,10 @@ def _decode_stage1(
             if TMA:  # rows past hi hold whatever the page holds (never-written bits may be NaN): zero weights
                 v = tl.where(n_mask[:, None], v, 0.0).to(v.dtype)  # are not enough, zero the rows
             if SLOT_SCALES and SCALE_FOLD == 0:  # p * scale / (the tile's largest scale) stays in [0, 1]
-                v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
+                if PREFETCH:
+                    v_scale_n = tl.where(n_mask, v_s, 0.0)
+                else:
+                    v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
                 v_top = tl.max(v_scale_n, 0)
                 p = p * (v_scale_n / v_top)[None, :]
                 acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
@@ -284,12 +314,24 @@ def semaphore_count(batch_size: int, q_heads: int, kv_heads: int) -> int:
     return batch_size * kv_heads * _head_blocking(q_heads // kv_heads)[1]
 
 
-def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool) -> tuple[int, int, int]:
+def _prefetch_slots(config: DecodeConfig, fmt: int, slot_scales: bool, page_size: int, interpret: bool) -> bool:
+    """Whether stage 1 loads slot ids (and scales) a tile ahead (`DecodeConfig.prefetch_slots`)."""
+    if config.prefetch_slots is not None:
+        return config.prefetch_slots
+    return not interpret and fmt != 0 and (not slot_scales or page_size >= 16)
+
+
+def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool, slot_scales: bool = False,
+                   page_size: int = 1) -> tuple[int, int, int]:
     if interpret:
         return config.block_n or 16, 1, 1
-    block_n = config.block_n or (32 if head_dim > 128 else 64)
-    # 3 stages keep two gathered K/V tiles in flight (H100 sweep: 2.85 vs 2.65 TB/s with 2 stages)
-    return block_n, config.num_warps or 4, config.num_stages or (1 if torch.version.hip else 3)
+    # per-token fp8 scales on pages of 16+ slots: 128-key tiles (with slot prefetch: see DecodeConfig)
+    wide = slot_scales and page_size >= 16 and head_dim <= 128
+    block_n = config.block_n or (128 if wide else 32 if head_dim > 128 else 64)
+    # 3 stages keep two gathered K/V tiles in flight (H100 sweep: 2.85 vs 2.65 TB/s with 2 stages); per-token
+    # scales on smaller pages do better with 2 (H100 session 7: 0.2613 vs 0.2664 ms; H200 session 17: 0.241 vs 0.258)
+    stages = 1 if torch.version.hip else 2 if slot_scales and not wide else 3
+    return block_n, config.num_warps or 4, config.num_stages or stages
 
 
 def _tma_ok(config: DecodeConfig, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int, block_n: int,
@@ -331,9 +373,9 @@ def decode_attention(
         return out
     group = hq // hkv
     block_h, head_blocks = _head_blocking(group)
-    block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret)
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
+    block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret, slot_scales, page_size)
     if slot_scales:
         k_scales, v_scales = k_scale, v_scale
         k_scale = v_scale = 1.0
@@ -364,7 +406,9 @@ def decode_attention(
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
         CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
-        SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0, num_warps=num_warps, num_stages=num_stages,
+        SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0,
+        PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, page_size, interpret), num_warps=num_warps,
+        num_stages=num_stages,
     )
     if merge_here:
         return out
