@@ -50,12 +50,16 @@ def _held(pool, slots):
     return k, v
 
 
-@pytest.mark.parametrize("fp8_convert,fold,block_n", [
-    (None, None, None), ("cast", None, None), ("ptx_v", None, None), ("ptx_kv", None, None),
-    (None, "tile_max", None), (None, "exponent", 128)])
+@pytest.mark.parametrize("fp8_convert,fold,block_n,prefetch", [
+    (None, None, None, None), ("cast", None, None, None), ("ptx_v", None, None, None), ("ptx_kv", None, None, None),
+    (None, "tile_max", None, None), (None, "exponent", 128, None), (None, "tile_max", 128, True),
+    (None, "exponent", 64, True), (None, "exponent", 128, False)])
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype", [
     (torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3"), (torch.float16, 1, 16, 2, 64, "fp8_e5m2")])
-def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, fp8_convert, fold, block_n):
+def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cache_dtype, fp8_convert, fold, block_n,
+                                               prefetch):
+    """Every launch the defaults pick by page size (page 16: 128-key tiles, slots a tile ahead; page 1: 2 stages)
+    and the other side of each choice."""
     from sglx.attention.kernels.decode_attention import DecodeConfig, decode_attention, semaphore_count
     from sglx.attention.kernels.kv_indices import build_kv_indptr
     from triton_interpreted.paged import reference_attention
@@ -74,8 +78,8 @@ def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cac
         sems = torch.zeros(semaphore_count(len(lens), hq, hkv), dtype=torch.int32, device=DEV) if merge else None
         decode_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse,
                          dim ** -0.5, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype,
-                         config=DecodeConfig(fp8_convert=fp8_convert, token_scale_fold=fold, block_n=block_n),
-                         semaphores=sems)
+                         config=DecodeConfig(fp8_convert=fp8_convert, token_scale_fold=fold, block_n=block_n,
+                                             prefetch_slots=prefetch), semaphores=sems, page_size=page)
         for i, n in enumerate(lens):
             k, v = _held(pool, r2t.req_to_token[rows[i], :n].long())
             ref = reference_attention(q_rot[i:i + 1], k, v, torch.tensor([n - 1]), dim ** -0.5)

@@ -79,7 +79,7 @@ class DecodeConfig:
     tma: bool | None = None
     # load each tile's slot ids (and per-slot scales) one tile ahead, so the pipelined K/V gathers never wait on
     # a global load of their addresses. None: on for fp8 KV, except per-token scales on pages under 16 slots.
-    # H200, B64 Hq32/Hkv8 ctx 4096, same call, alternated (benchmarks/results/s17/fp8_decode_prefetch_*): one
+    # H200, B64 Hq32/Hkv8 ctx 4096, same call, alternated (benchmarks/results/s17/fp8_decode_prefetch/): one
     # scale a layer 0.216 -> 0.188 ms (pages 1 and 16); per-token scales with 128-key tiles at page 16 0.256 ->
     # 0.220; bf16 0.269 -> 0.319 (slower: a real third K/V stage, fewer programs per SM), hence off there;
     # per-token at page 1: 0.258 -> 0.269 at 3 stages, 0.241 without it at 2 stages (the page-1 default)

@@ -252,4 +252,4 @@ class TritonBackend(AttentionBackend):
         return decode_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.kv_indptr, meta.kv_indices,
             meta.mid_o, meta.mid_lse, layer.scaling, config=self.decode_config, semaphores=meta.semaphores,
-            **self._kernel_args(layer, batch))
+            page_size=pool.page_size, **self._kernel_args(layer, batch))
