@@ -143,6 +143,19 @@ def _merge_if_last(o_row, lse_row, out_ptr, semaphore, n_active, head_mask, hd_m
 
 
 @triton.jit
+def _tile_slots(Indices, offs, hi, K_Scale, V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES: tl.constexpr):
+    """(slot ids, K scales, V scales) of the keys `offs` (past `hi`: slot 0); without per-slot scales the scales are
+    the ids again (unused). Masked keys read slot 0's scales: whatever they hold, unused."""
+    slots = tl.load(Indices + offs, mask=offs < hi, other=0).to(tl.int64)
+    k_s = slots
+    v_s = slots
+    if SLOT_SCALES:
+        k_s = tl.load(K_Scale + slots * stride_ks + kv_head)
+        v_s = tl.load(V_Scale + slots * stride_vs + kv_head)
+    return slots, k_s, v_s
+
+
+@triton.jit
 def _decode_stage1(
     Q, K_Buf, V_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out, Semaphores, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window, max_splits, min_chunk,
@@ -179,11 +192,8 @@ def _decode_stage1(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         if PREFETCH:  # slot ids (and per-slot scales) one tile ahead: no gather waits on a load of its addresses
-            offs_next = lo + tl.arange(0, BLOCK_N)
-            next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < hi, other=0).to(tl.int64)
-            if SLOT_SCALES:  # masked keys read slot 0's scales: whatever they hold, unused
-                next_k_s = tl.load(K_Scale + next_slots * stride_ks + kv_head)
-                next_v_s = tl.load(V_Scale + next_slots * stride_vs + kv_head)
+            next_slots, next_k_s, next_v_s = _tile_slots(Kv_Indices + kv_start, lo + tl.arange(0, BLOCK_N), hi, K_Scale,
+                                                         V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
@@ -193,14 +203,9 @@ def _decode_stage1(
                 k = tl.trans(K_Buf.load([first, kv_head * D]))
             else:
                 if PREFETCH:
-                    slots = next_slots
-                    if SLOT_SCALES:
-                        k_s, v_s = next_k_s, next_v_s
-                    offs_next = offs_n + BLOCK_N
-                    next_slots = tl.load(Kv_Indices + kv_start + offs_next, mask=offs_next < hi, other=0).to(tl.int64)
-                    if SLOT_SCALES:
-                        next_k_s = tl.load(K_Scale + next_slots * stride_ks + kv_head)
-                        next_v_s = tl.load(V_Scale + next_slots * stride_vs + kv_head)
+                    slots, k_s, v_s = next_slots, next_k_s, next_v_s
+                    next_slots, next_k_s, next_v_s = _tile_slots(Kv_Indices + kv_start, offs_n + BLOCK_N, hi, K_Scale,
+                                                                 V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES)
                 else:
                     slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
