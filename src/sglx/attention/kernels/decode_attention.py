@@ -78,7 +78,8 @@ class DecodeConfig:
     # page size a multiple of block_n, no sliding window); None: off (session 12 measures it)
     tma: bool | None = None
     # load each tile's slot ids (and per-slot scales) one tile ahead, so the pipelined K/V gathers never wait on
-    # a global load of their addresses. None: on for fp8 KV, except per-token scales on pages under 16 slots.
+    # a global load of their addresses. None: on for fp8 KV, except per-token scales outside the 128-key-tile
+    # launch (pages under 16 slots, head dims over 128).
     # H200, B64 Hq32/Hkv8 ctx 4096, same call, alternated (benchmarks/results/s17/fp8_decode_prefetch/): one
     # scale a layer 0.216 -> 0.188 ms (pages 1 and 16); per-token scales with 128-key tiles at page 16 0.256 ->
     # 0.220; bf16 0.269 -> 0.319 (slower: a real third K/V stage, fewer programs per SM), hence off there;
@@ -319,19 +320,20 @@ def semaphore_count(batch_size: int, q_heads: int, kv_heads: int) -> int:
     return batch_size * kv_heads * _head_blocking(q_heads // kv_heads)[1]
 
 
-def _prefetch_slots(config: DecodeConfig, fmt: int, slot_scales: bool, page_size: int, interpret: bool) -> bool:
-    """Whether stage 1 loads slot ids (and scales) a tile ahead (`DecodeConfig.prefetch_slots`)."""
+def _prefetch_slots(config: DecodeConfig, fmt: int, slot_scales: bool, wide: bool, interpret: bool) -> bool:
+    """Whether stage 1 loads slot ids (and scales) a tile ahead (`DecodeConfig.prefetch_slots`): by default for fp8
+    KV with one scale a layer, and with per-token scales where the launch is `wide`."""
     if config.prefetch_slots is not None:
         return config.prefetch_slots
-    return not interpret and fmt != 0 and (not slot_scales or page_size >= 16)
+    return not interpret and fmt != 0 and (not slot_scales or wide)
 
 
-def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool, slot_scales: bool = False,
-                   page_size: int = 1) -> tuple[int, int, int]:
+def _stage1_launch(config: DecodeConfig, head_dim: int, interpret: bool, slot_scales: bool,
+                   wide: bool) -> tuple[int, int, int]:
+    """(block_n, warps, stages); `wide`: per-token fp8 scales on pages of 16+ slots take 128-key tiles (with slot
+    ids a tile ahead: see DecodeConfig)."""
     if interpret:
         return config.block_n or 16, 1, 1
-    # per-token fp8 scales on pages of 16+ slots: 128-key tiles (with slot prefetch: see DecodeConfig)
-    wide = slot_scales and page_size >= 16 and head_dim <= 128
     block_n = config.block_n or (128 if wide else 32 if head_dim > 128 else 64)
     # 3 stages keep two gathered K/V tiles in flight (H100 sweep: 2.85 vs 2.65 TB/s with 2 stages); per-token
     # scales on smaller pages do better with 2 (H100 session 7: 0.2613 vs 0.2664 ms; H200 session 17: 0.241 vs 0.258)
@@ -380,7 +382,8 @@ def decode_attention(
     block_h, head_blocks = _head_blocking(group)
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
-    block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret, slot_scales, page_size)
+    wide = slot_scales and page_size >= 16 and dim <= 128
+    block_n, num_warps, num_stages = _stage1_launch(config, dim, interpret, slot_scales, wide)
     if slot_scales:
         k_scales, v_scales = k_scale, v_scale
         k_scale = v_scale = 1.0
@@ -412,7 +415,7 @@ def decode_attention(
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
         CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
         SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0,
-        PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, page_size, interpret), num_warps=num_warps,
+        PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, wide, interpret), num_warps=num_warps,
         num_stages=num_stages,
     )
     if merge_here:
