@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--schedule", action="store_true",
                     help="time SCHEDULE (head sections) on SCHEDULE_SHAPES instead of CONFIGS on SHAPES")
+    ap.add_argument("--defaults", action="store_true",
+                    help="time only the default launch, on every shape of SHAPES and SCHEDULE_SHAPES (A/B of two trees "
+                         "through PYTHONPATH, alternated by the caller)")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -115,7 +118,10 @@ def main() -> None:
     results = {"device": dev, "torch": torch.__version__, "shapes": []}
     import triton
     results["triton"] = triton.__version__
-    for name, b, p, n, hq, hkv, first in (SCHEDULE_SHAPES if args.schedule else SHAPES):
+    shapes = SCHEDULE_SHAPES if args.schedule else SHAPES
+    if args.defaults:
+        shapes = list({s[0]: s[:6] + (1,) for s in SHAPES + SCHEDULE_SHAPES}.values())  # CONFIGS[0]: the default
+    for name, b, p, n, hq, hkv, first in shapes:
         c = make_case(b, p, n, hq, hkv)
         fn, rows = cudnn_call(c)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
