@@ -21,7 +21,7 @@ import triton  # noqa: E402
 if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():  # pragma: no cover
     pytest.skip("triton's NVIDIA backend binaries (ptxas) are not installed", allow_module_level=True)
 
-from sglx.bench.sm90_compile import compile_sm90, kernel_source  # noqa: E402
+from sglx.bench.sm90_compile import compile_sm90, gluon_source, kernel_source  # noqa: E402
 
 BF16 = "*bf16"
 
@@ -99,6 +99,16 @@ def _per_head_gemv() -> tuple:
     return kernel_source(_per_head_gemv_kernel, dict(BLOCK_T=16, BLOCK_K=128, BLOCK_N=64, IEEE=False), ptrs), 4, 3
 
 
+def _mla_stage1_gluon(single: bool) -> tuple:
+    from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
+
+    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
+            "Mid_Lse": "*fp32", "Out": BF16}
+    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single)
+    div16 = [n for n in _mla_decode_stage1_gluon.arg_names if n.startswith("stride_")]
+    return gluon_source(_mla_decode_stage1_gluon, consts, ptrs, ("qk_scale", "v_scale"), div16), 8, 1
+
+
 def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: bool = False,
                    fold: int = 1) -> tuple:
     from sglx.attention.kernels.decode_attention import _decode_stage1
@@ -157,6 +167,8 @@ VARIANTS = {
     "mla stage 1, 16 heads, splits": lambda: _mla_stage1(False, False, 16),
     "mla stage 1, 16 heads, one split": lambda: _mla_stage1(True, False, 16),
     "mla stage 1, 64-head wide, fp8": lambda: _mla_stage1(False, True, 64),
+    "mla stage 1, Gluon 64-head, splits": lambda: _mla_stage1_gluon(False),
+    "mla stage 1, Gluon 64-head, one split": lambda: _mla_stage1_gluon(True),
     "mla merge": _mla_merge,
     "mla rope + latent store + kv norm": lambda: _mla_rope(True, True),
     "mla rope": lambda: _mla_rope(False, False),

@@ -16,3 +16,20 @@ from triton_interpreted.launch import run_interpreted
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_mla_matches_float64_under_the_interpreter():
     run_interpreted("mla_cases.py")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gluon_stage1_is_chosen_only_where_it_fits_and_refused_clearly_elsewhere():
+    """The Gluon MLA kernel (SM90, 16-bit latents of 512 + 64, the 64-head launch): never picked on a CPU, and
+    asking for it there names what it needs instead of failing inside a compiler."""
+    import torch
+
+    from sglx.attention.kernels.mla_decode import MLADecodeConfig, use_gluon, wide_launch
+
+    q = torch.zeros(2, 128, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(16, 1, 576, dtype=torch.bfloat16)
+    wide = wide_launch()
+    assert not use_gluon(q, kv, 512, 64, wide, None)
+    assert not use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=False)), None)
+    with pytest.raises(ValueError, match=r"SM90 GPUs, bf16/fp16 latents of 512 \+ 64 .* got cpu"):
+        use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=True)), None)

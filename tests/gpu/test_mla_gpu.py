@@ -23,13 +23,15 @@ DEV = "cuda"
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-@pytest.mark.parametrize("launch", ["default", "wide"])
+@pytest.mark.parametrize("launch", ["default", "wide", "tl_dot"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype,page,heads", [(torch.bfloat16, 1, 128), (torch.bfloat16, 64, 16),
                                               (torch.float16, 16, 128)])
-def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cache_dtype, launch):
-    """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits; "wide": the
-    64-head launch on fp8 latents (bf16 with 64+ heads gets it by default)."""
+@pytest.mark.parametrize("batch", [4, 64])
+def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cache_dtype, launch, batch):
+    """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits (batch 4) or one
+    (batch 64 with 128 heads); "wide": the 64-head launch on fp8 latents (bf16 with 64+ heads gets it by default);
+    "tl_dot": the 64-head launch without the Gluon kernel (the default takes it on SM90 with 16-bit latents)."""
     from sglx.attention.kernels.common import num_sms
     from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
     from sglx.attention.kernels.mla_decode import (
@@ -37,15 +39,20 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
         mla_decode_attention,
         mla_num_splits,
         resolve_config,
+        use_gluon,
         wide_launch,
     )
 
     if launch == "wide" and (kv_cache_dtype == "auto" or heads < 64):
         pytest.skip("the default launch already is the wide one, or too few heads for it")
+    if launch == "tl_dot" and (kv_cache_dtype != "auto" or heads < 64):
+        pytest.skip("no Gluon kernel to leave out")
+    if batch == 64 and (heads < 64 or page != 1):
+        pytest.skip("one split needs 64+ heads; one page size is enough")
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
 
-    r, dr, lens = 512, 64, [1, 700, 3000, 129]
+    r, dr, lens = 512, 64, [1, 700, 3000, 129] if batch == 4 else [1, 700, 3000, 129] + [64 * i + 5 for i in range(60)]
     gen = torch.Generator().manual_seed(page)
     num_slots = (sum(-(-n // page) for n in lens) + 2) * page
     r2t = ReqToTokenPool(len(lens) + 1, max(lens) + page, DEV)
@@ -63,11 +70,13 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
     kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
     build_kv_indices(r2t.req_to_token, torch.tensor(rows, device=DEV), kv_indptr, kv_indices)
-    base = wide_launch() if launch == "wide" else MLADecodeConfig()
+    base = {"wide": wide_launch(), "tl_dot": MLADecodeConfig(gluon=False)}.get(launch, MLADecodeConfig())
     config = resolve_config(base, heads, pool.is_fp8, torch.device(DEV))  # default: what the backend launches
     splits = mla_num_splits(len(lens), heads, max(lens), num_sms(torch.device(DEV)), config)
-    assert splits > 1  # four requests never fill the GPU: the split merge is exercised too
+    assert (splits > 1) == (batch == 4)  # four requests never fill the GPU: the split merge is exercised too
     q = torch.randn(len(lens), heads, r + dr, generator=gen).to(DEV, dtype)
+    gluon = use_gluon(q[..., :r], pool.kv_buffer[0], r, dr, config, pool.fp8_dtype)
+    assert gluon == (launch == "default" and kv_cache_dtype == "auto" and heads >= 64 and triton_verifies_gluon())
     out = torch.empty(len(lens), heads, r, dtype=dtype, device=DEV)
     mid_o = torch.empty(len(lens), heads, splits, r, dtype=torch.float32, device=DEV)
     mid_lse = torch.empty(len(lens), heads, splits, dtype=torch.float32, device=DEV)
@@ -78,6 +87,49 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
         lat = pool.get_latent(0, r2t.req_to_token[rows[i], :n].long(), torch.float64)
         ref = torch.softmax(torch.einsum("hd,ld->hl", q[i].double(), lat) * scale, -1) @ lat[:, :r]
         assert (out[i].double() - ref).abs().max().item() < TOL[dtype], i
+
+
+@pytest.mark.parametrize("batch", [4, 64])
+def test_gluon_mla_decode_replays_in_a_cuda_graph(batch: int) -> None:
+    """The Gluon stage 1 (and the merge, batch 4) captured in a CUDA graph and replayed on new inputs equals eager."""
+    from sglx.attention.kernels.common import num_sms
+    from sglx.attention.kernels.mla_decode import MLADecodeConfig as Config
+    from sglx.attention.kernels.mla_decode import mla_decode_attention, mla_num_splits, resolve_config, use_gluon
+
+    if not triton_verifies_gluon():
+        pytest.skip("the Gluon MLA kernel is not the default here (SM90 with a verified Triton)")
+    r, dr, heads, ctx = 512, 64, 128, 1000
+    gen = torch.Generator(device=DEV).manual_seed(batch)
+    kv = torch.randn(batch * ctx + 1, 1, r + dr, device=DEV, generator=gen).to(torch.bfloat16)
+    kv_indptr = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * ctx
+    kv_indices = (torch.randperm(batch * ctx, device=DEV, generator=gen) + 1).int()
+    config = resolve_config(Config(), heads, False, torch.device(DEV))
+    splits = mla_num_splits(batch, heads, ctx, num_sms(torch.device(DEV)), config)
+    q = torch.randn(batch, heads, r + dr, device=DEV, generator=gen).to(torch.bfloat16)
+    assert use_gluon(q[..., :r], kv, r, dr, config, None)
+    out = torch.empty(batch, heads, r, dtype=torch.bfloat16, device=DEV)
+    mid_o = torch.empty(batch, heads, splits, r, dtype=torch.float32, device=DEV)
+    mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=DEV)
+
+    def call():
+        return mla_decode_attention(q, kv, out, kv_indptr, kv_indices, mid_o, mid_lse, 0.1, r, config=config)
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    q.copy_(torch.randn(q.shape, device=DEV, generator=gen).to(torch.bfloat16))
+    eager = call().clone()
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, eager)
+
+
+def triton_verifies_gluon() -> bool:
+    import triton
+
+    from sglx.attention.kernels.mla_decode import GLUON_TRITON
+
+    return torch.cuda.get_device_capability()[0] == 9 and triton.__version__.startswith(GLUON_TRITON)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,15 @@ def kernel_source(fn: Any, consts: dict[str, object], ptrs: dict[str, str], floa
     return ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
 
 
+def gluon_source(fn: Any, consts: dict[str, object], ptrs: dict[str, str], floats: Iterable[str] = (),
+                 div16: Iterable[str] = ()) -> ASTSource:
+    """`kernel_source` for a @gluon.jit function (Triton's explicit-layout dialect)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    plain = kernel_source(fn, consts, ptrs, floats, div16)
+    return GluonASTSource(fn=fn, signature=plain.signature, constexprs=plain.constants, attrs=plain.attrs)
+
+
 def compile_sm90(source: ASTSource, num_warps: int = 4, num_stages: int = 3) -> Any:
     """The compiled kernel (ptx, cubin, metadata) for sm_90a; raises Triton's CompilationError as a launch would."""
     return triton.compile(source, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages))

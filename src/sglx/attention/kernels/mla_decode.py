@@ -16,6 +16,10 @@ vs 1.383 ms for the 16-head launch, same error, H100 B64 H128 ctx 4096; benchmar
 mla_decode_b64_h100_s7.json). Otherwise (few heads, other GPUs) 16-head blocks, 32-key tiles, 4 warps.
 The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to 1024. Slots come from
 `kv_indices`, so any page size works; fp8 latents dequantize in registers.
+
+On SM90 the 64-head launch with 16-bit latents runs stage 1 as a Gluon kernel instead (mla_decode_gluon.py,
+`MLADecodeConfig.gluon`): Triton's pipeliner cannot overlap a tile's copy with the previous tile's work at two
+stages, and a third does not fit. H200, session 18, B64 H128 ctx 4096: 0.303 -> 0.195 ms (FlashInfer 0.143).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_comp
 from sglx.attention.kernels.decode_attention import DecodeConfig, _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
-           "resolve_config", "split_chunk", "wide_launch"]
+           "resolve_config", "split_chunk", "use_gluon", "wide_launch"]
 
 # wgmma needs 64-row tiles; 8 warps keep the [64, 512] accumulator in registers. With fp8 latents it also
 # compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and on the H100 (session
@@ -52,6 +56,10 @@ class MLADecodeConfig:
     small_batch_programs: int = 8
     waves: int | None = None  # stage-1 programs aimed at per SM when choosing the number of splits
     one_split_fill: float = 0.9  # one split once bs x head blocks programs reach this fraction of the SMs
+    # stage 1 as the Gluon kernel (mla_decode_gluon.py: latent tiles double-buffered by hand) instead of tl.dot's:
+    # True requires it (ValueError where it does not apply), False never; None: where it applies (the 64-head
+    # launch on SM90, bf16/fp16 latents of 512 + 64) with the Triton release it was verified on (`GLUON_TRITON`)
+    gluon: bool | None = None
 
 
 def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch.device,
@@ -198,6 +206,51 @@ def _mla_decode_stage1(
             tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
 
 
+# Triton releases whose Gluon kernel ran on the lent GPU (H200, session 18); later ones compile it (CPU tier) but
+# have not run it, so `gluon=None` keeps them on the tl.dot kernel
+GLUON_TRITON = ("3.6.",)
+
+
+def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config: MLADecodeConfig,
+                fp8_dtype: torch.dtype | None) -> bool:
+    shape = (config.block_h, config.block_n, config.num_warps, r, dr)
+    return (q.device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(q.device)[0] == 9
+            and fp8_dtype is None and q.dtype in (torch.bfloat16, torch.float16) and kv_buffer.dtype == q.dtype
+            and shape == (64, 64, 8, 512, 64))
+
+
+def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config: MLADecodeConfig,
+              fp8_dtype: torch.dtype | None) -> bool:
+    """Whether stage 1 runs the Gluon kernel (`MLADecodeConfig.gluon`; config resolved). Measured on the H200
+    (session 18, benchmarks/results/s18/): B64 H128 ctx 4096 bf16 0.303 -> 0.195 ms, FlashInfer MLA 0.145."""
+    if config.gluon is False:
+        return False
+    fits = _gluon_fits(q, kv_buffer, r, dr, config, fp8_dtype)
+    if config.gluon and not fits:
+        shape = (config.block_h, config.block_n, config.num_warps, r, dr)
+        raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 latents of 512 + 64 and the 64-head "
+                         f"launch (block_h 64, block_n 64, 8 warps); got {q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
+                         f"fp8 {fp8_dtype}, (block_h, block_n, warps, R, DR) = {shape}: leave MLADecodeConfig.gluon "
+                         "unset")
+    return fits and (bool(config.gluon) or triton.__version__.startswith(GLUON_TRITON))
+
+
+def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+                  qk_scale: float, v_scale: float, max_splits: int, min_chunk: int) -> None:
+    """Stage 1 through `mla_decode_gluon` (same outputs as `_mla_decode_stage1`; `use_gluon` said it fits)."""
+    from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
+
+    bs, h, r = q.shape
+    _mla_decode_stage1_gluon[(triton.cdiv(h, 64), bs, max_splits)](
+        q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64, SINGLE=max_splits == 1,
+        num_warps=8,
+    )
+
+
 def mla_decode_attention(
     q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor, scaling: float, kv_lora_rank: int, *, kv_scale: float = 1.0,
@@ -233,16 +286,20 @@ def mla_decode_attention(
     block_h = _block_h(h, config)
     min_chunk = split_chunk(config, bs, h)
     single = max_splits == 1
-    _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
-        q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
-        scaling * kv_scale * LOG2E, float(kv_scale), max_splits, min_chunk,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        H=h, BLOCK_H=block_h, R=r, DR=dr, BLOCK_R=padded_dim(r), BLOCK_DR=padded_dim(dr), BLOCK_N=block_n,
-        FMT=kv_format(fp8_dtype), IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if use_gluon(q, kv_buffer, r, dr, config, fp8_dtype):
+        _gluon_stage1(q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, scaling * kv_scale * LOG2E,
+                      float(kv_scale), max_splits, min_chunk)
+    else:
+        _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
+            q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
+            scaling * kv_scale * LOG2E, float(kv_scale), max_splits, min_chunk,
+            q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            H=h, BLOCK_H=block_h, R=r, DR=dr, BLOCK_R=padded_dim(r), BLOCK_DR=padded_dim(dr), BLOCK_N=block_n,
+            FMT=kv_format(fp8_dtype), IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=num_warps,
+            num_stages=num_stages,
+        )
     if single:
         return out
     block_dv = min(128, padded_dim(r))
