@@ -216,7 +216,8 @@ def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, confi
     shape = (config.block_h, config.block_n, config.num_warps, r, dr)
     return (q.device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(q.device)[0] == 9
             and fp8_dtype is None and q.dtype in (torch.bfloat16, torch.float16) and kv_buffer.dtype == q.dtype
-            and shape == (64, 64, 8, 512, 64))
+            and shape == (64, 64, 8, 512, 64)
+            and kv_buffer.stride(0) % 8 == 0 and kv_buffer.data_ptr() % 16 == 0)  # 16-byte cp.async chunks
 
 
 def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config: MLADecodeConfig,
@@ -228,8 +229,9 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
     fits = _gluon_fits(q, kv_buffer, r, dr, config, fp8_dtype)
     if config.gluon and not fits:
         shape = (config.block_h, config.block_n, config.num_warps, r, dr)
-        raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 latents of 512 + 64 and the 64-head "
-                         f"launch (block_h 64, block_n 64, 8 warps); got {q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
+        raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 latents of 512 + 64 in 16-byte "
+                         "aligned rows and the 64-head launch (block_h 64, block_n 64, 8 warps); got "
+                         f"{q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
                          f"fp8 {fp8_dtype}, (block_h, block_n, warps, R, DR) = {shape}: leave MLADecodeConfig.gluon "
                          "unset")
     return fits and (bool(config.gluon) or triton.__version__.startswith(GLUON_TRITON))
