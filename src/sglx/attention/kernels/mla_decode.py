@@ -138,6 +138,18 @@ def _mla_merge_kernel(Mid_O, Mid_Lse, Out, Kv_Indptr, max_splits, min_chunk,
 
 
 @triton.jit
+def _program_keys(Kv_Indptr, max_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """(request, split, its first entry in kv_indices, key range [lo, hi)) of this stage-1 program (grid: head
+    blocks, requests, splits); shared by the tl.dot and the Gluon kernels."""
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = tl.load(Kv_Indptr + b)
+    seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
+    lo, hi, _ = _split_range(seq_len, 0, split, max_splits, min_chunk, BLOCK_N)
+    return b, split, kv_start, lo, hi
+
+
+@triton.jit
 def _dot_acc(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ b as one MMA chain (the accumulator stays in the MMA registers: no separate add)."""
     if IEEE:
@@ -156,11 +168,7 @@ def _mla_decode_stage1(
     SINGLE: tl.constexpr,
 ):
     head_block = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_start = tl.load(Kv_Indptr + b)
-    seq_len = tl.load(Kv_Indptr + b + 1) - kv_start
-    lo, hi, _ = _split_range(seq_len, 0, split, max_splits, min_chunk, BLOCK_N)
+    b, split, kv_start, lo, hi = _program_keys(Kv_Indptr, max_splits, min_chunk, BLOCK_N)
     if lo < hi:
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < H

@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from sglx.attention.kernels.decode_attention import _split_range
+from sglx.attention.kernels.mla_decode import _program_keys
 
 # builtins renamed after Triton 3.6 (the lent GPU's): the CTA-wide barrier and the cp.async copy
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -67,11 +67,7 @@ def _mla_decode_stage1_gluon(
     lat_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     head_block = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    kv_start = gl.load(Kv_Indptr + b)
-    seq_len = gl.load(Kv_Indptr + b + 1) - kv_start
-    lo, hi, _ = _split_range(seq_len, 0, split, max_splits, min_chunk, BLOCK_N)
+    b, split, kv_start, lo, hi = _program_keys(Kv_Indptr, max_splits, min_chunk, BLOCK_N)
     if lo < hi:
         dtype = Q.dtype.element_ty
         lat_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], lat_smem)
