@@ -24,7 +24,7 @@ from sglx.bench.timing import TimingBudget
 
 
 def route(case: Case, gluon: bool):
-    config = resolve_config(MLADecodeConfig(gluon=gluon), case.heads, False, case.device)
+    config = resolve_config(MLADecodeConfig(gluon=gluon), case.heads, case.pool.is_fp8, case.device)
     splits = mla_num_splits(case.batch, case.heads, case.context, num_sms(case.device), config)
     out = torch.empty(case.batch, case.heads, case.r, dtype=case.dtype, device=case.device)
     mid_o = torch.empty(case.batch, case.heads, splits, case.r, dtype=torch.float32, device=case.device)
@@ -33,7 +33,8 @@ def route(case: Case, gluon: bool):
 
     def run() -> torch.Tensor:
         return mla_decode_attention(case.q, kv, out, case.kv_indptr, case.kv_indices, mid_o, mid_lse, case.scale,
-                                    case.r, config=config)
+                                    case.r, kv_scale=case.pool.kv_scale[0], fp8_dtype=case.pool.fp8_dtype,
+                                    config=config)
     return run, splits
 
 
@@ -44,14 +45,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto (bf16 latents), fp8_e4m3")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device("cuda")
     budget = TimingBudget()
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cases": []}
     for batch in (int(b) for b in args.batches.split(",")):
-        for page in (int(p) for p in args.pages.split(",")):
-            case = Case(batch, args.heads, args.context, page, torch.bfloat16, "auto", device, R, DR)
+        for page, kv_dtype in ((int(p), k) for p in args.pages.split(",") for k in args.kv_cache_dtypes.split(",")):
+            case = Case(batch, args.heads, args.context, page, torch.bfloat16, kv_dtype, device, R, DR)
             rows = [flashinfer_row(case, device, budget)]
             for _ in range(args.rounds):
                 for name, gluon in (("triton", False), ("gluon", True)):
@@ -63,8 +65,8 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
             rows.append(flashinfer_row(case, device, budget))
             print(json.dumps(rows[-1]), flush=True)
-            report["cases"].append({"batch": batch, "page": page, "heads": args.heads, "context": args.context,
-                                    "rows": rows})
+            report["cases"].append({"batch": batch, "page": page, "kv_cache_dtype": kv_dtype, "heads": args.heads,
+                                    "context": args.context, "rows": rows})
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -99,12 +99,12 @@ def _per_head_gemv() -> tuple:
     return kernel_source(_per_head_gemv_kernel, dict(BLOCK_T=16, BLOCK_K=128, BLOCK_N=64, IEEE=False), ptrs), 4, 3
 
 
-def _mla_stage1_gluon(single: bool) -> tuple:
+def _mla_stage1_gluon(single: bool, fmt: int = 0) -> tuple:
     from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
-    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
-            "Mid_Lse": "*fp32", "Out": BF16}
-    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single)
+    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": "*u8" if fmt else BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
+            "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": BF16}
+    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single, FMT=fmt)
     div16 = [n for n in _mla_decode_stage1_gluon.arg_names if n.startswith("stride_")]
     return gluon_source(_mla_decode_stage1_gluon, consts, ptrs, ("qk_scale", "v_scale"), div16), 8, 1
 
@@ -169,6 +169,7 @@ VARIANTS = {
     "mla stage 1, 64-head wide, fp8": lambda: _mla_stage1(False, True, 64),
     "mla stage 1, Gluon 64-head, splits": lambda: _mla_stage1_gluon(False),
     "mla stage 1, Gluon 64-head, one split": lambda: _mla_stage1_gluon(True),
+    "mla stage 1, Gluon 64-head, fp8 e4m3 latents": lambda: _mla_stage1_gluon(False, 1),
     "mla merge": _mla_merge,
     "mla rope + latent store + kv norm": lambda: _mla_rope(True, True),
     "mla rope": lambda: _mla_rope(False, False),

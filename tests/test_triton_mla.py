@@ -31,5 +31,5 @@ def test_gluon_stage1_is_chosen_only_where_it_fits_and_refused_clearly_elsewhere
     wide = wide_launch()
     assert not use_gluon(q, kv, 512, 64, wide, None)
     assert not use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=False)), None)
-    with pytest.raises(ValueError, match=r"SM90 GPUs, bf16/fp16 latents of 512 \+ 64 .* got cpu"):
+    with pytest.raises(ValueError, match=r"SM90 GPUs, bf16/fp16 queries over latents of 512 \+ 64 .* got cpu"):
         use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=True)), None)

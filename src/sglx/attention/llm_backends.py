@@ -235,11 +235,11 @@ register(BackendSpec(
     factory="sglx.attention.llm.triton_mla:TritonMLABackend",
     notes="sglx's own kernels: decode reads each [c_kv, k_pe] latent tile once for scores and values (W_UK "
           "folded into q, W_UV after); extend expands prefix + new latents per head for the MHA extend kernel; "
-          "any page size through kv_indices, fp8 latents. On SM90 the 64-head decode with 16-bit latents runs a "
-          "Gluon kernel that double-buffers the latent tiles by hand (Triton 3.6). Verified under the Triton "
-          "interpreter and on an H100/H200 (float64 kernel tests, transformers tokens, CUDA graphs); decode B64 "
-          "H128 ctx 4096 on an H200: 0.195 ms, 1.36x the time of FlashInfer MLA in the same run (tl.dot kernel "
-          "alone: 0.303 ms, 2.1x; docs/benchmarks.md).",
+          "any page size through kv_indices, fp8 latents. On SM90 the 64-head decode runs a Gluon kernel that "
+          "double-buffers the latent tiles by hand (Triton 3.6). Verified under the Triton interpreter and on an "
+          "H100/H200 (float64 kernel tests, transformers tokens, CUDA graphs); decode B64 H128 ctx 4096 on an H200: "
+          "0.195 ms, 1.36x the time of FlashInfer MLA in the same run (tl.dot kernel alone: 0.303 ms, 2.1x); fp8 "
+          "latents 0.350 ms (docs/benchmarks.md).",
 ))
 
 register(BackendSpec(

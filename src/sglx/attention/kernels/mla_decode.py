@@ -17,9 +17,9 @@ mla_decode_b64_h100_s7.json). Otherwise (few heads, other GPUs) 16-head blocks, 
 The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padded to 1024. Slots come from
 `kv_indices`, so any page size works; fp8 latents dequantize in registers.
 
-On SM90 the 64-head launch with 16-bit latents runs stage 1 as a Gluon kernel instead (mla_decode_gluon.py,
-`MLADecodeConfig.gluon`): Triton's pipeliner cannot overlap a tile's copy with the previous tile's work at two
-stages, and a third does not fit. H200, session 18, B64 H128 ctx 4096: 0.303 -> 0.195 ms (FlashInfer 0.143).
+On SM90 the 64-head launch runs stage 1 as a Gluon kernel instead (mla_decode_gluon.py, `MLADecodeConfig.gluon`):
+Triton's pipeliner cannot overlap a tile's copy with the previous tile's work at two stages, and a third does not
+fit. H200, session 18, B64 H128 ctx 4096: bf16 0.303 -> 0.195 ms (FlashInfer 0.143), fp8 latents 0.440 -> 0.350.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class MLADecodeConfig:
     one_split_fill: float = 0.9  # one split once bs x head blocks programs reach this fraction of the SMs
     # stage 1 as the Gluon kernel (mla_decode_gluon.py: latent tiles double-buffered by hand) instead of tl.dot's:
     # True requires it (ValueError where it does not apply), False never; None: where it applies (the 64-head
-    # launch on SM90, bf16/fp16 latents of 512 + 64) with the Triton release it was verified on (`GLUON_TRITON`)
+    # launch on SM90, bf16/fp16 queries, latents of 512 + 64 in their dtype or fp8) with the Triton release it was
+    # verified on (`GLUON_TRITON`)
     gluon: bool | None = None
 
 
@@ -223,7 +224,8 @@ def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, confi
                 fp8_dtype: torch.dtype | None) -> bool:
     shape = (config.block_h, config.block_n, config.num_warps, r, dr)
     return (q.device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(q.device)[0] == 9
-            and fp8_dtype is None and q.dtype in (torch.bfloat16, torch.float16) and kv_buffer.dtype == q.dtype
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and (kv_buffer.dtype == q.dtype if fp8_dtype is None else kv_buffer.dtype == torch.uint8)
             and shape == (64, 64, 8, 512, 64)
             and kv_buffer.stride(0) % 8 == 0 and kv_buffer.data_ptr() % 16 == 0)  # 16-byte cp.async chunks
 
@@ -231,15 +233,16 @@ def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, confi
 def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config: MLADecodeConfig,
               fp8_dtype: torch.dtype | None) -> bool:
     """Whether stage 1 runs the Gluon kernel (`MLADecodeConfig.gluon`; config resolved). Measured on the H200
-    (session 18, benchmarks/results/s18/): B64 H128 ctx 4096 bf16 0.303 -> 0.195 ms, FlashInfer MLA 0.145."""
+    (session 18, benchmarks/results/s18/): B64 H128 ctx 4096 bf16 0.303 -> 0.195 ms, FlashInfer MLA 0.143; fp8
+    latents 0.440 -> 0.350 ms."""
     if config.gluon is False:
         return False
     fits = _gluon_fits(q, kv_buffer, r, dr, config, fp8_dtype)
     if config.gluon and not fits:
         shape = (config.block_h, config.block_n, config.num_warps, r, dr)
-        raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 latents of 512 + 64 in 16-byte "
-                         "aligned rows and the 64-head launch (block_h 64, block_n 64, 8 warps); got "
-                         f"{q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
+        raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 queries over latents of 512 + 64 "
+                         "(the query's dtype or fp8) in 16-byte aligned rows and the 64-head launch (block_h 64, "
+                         f"block_n 64, 8 warps); got {q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
                          f"fp8 {fp8_dtype}, (block_h, block_n, warps, R, DR) = {shape}: leave MLADecodeConfig.gluon "
                          "unset")
     return fits and (bool(config.gluon) or triton.__version__.startswith(GLUON_TRITON))
@@ -247,7 +250,8 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
 
 def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
-                  qk_scale: float, v_scale: float, max_splits: int, min_chunk: int) -> None:
+                  qk_scale: float, v_scale: float, max_splits: int, min_chunk: int,
+                  fp8_dtype: torch.dtype | None) -> None:
     """Stage 1 through `mla_decode_gluon` (same outputs as `_mla_decode_stage1`; `use_gluon` said it fits)."""
     from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
@@ -257,7 +261,7 @@ def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, 
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64, SINGLE=max_splits == 1,
-        num_warps=8,
+        FMT=kv_format(fp8_dtype), num_warps=8,
     )
 
 
@@ -298,7 +302,7 @@ def mla_decode_attention(
     single = max_splits == 1
     if use_gluon(q, kv_buffer, r, dr, config, fp8_dtype):
         _gluon_stage1(q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, scaling * kv_scale * LOG2E,
-                      float(kv_scale), max_splits, min_chunk)
+                      float(kv_scale), max_splits, min_chunk, fp8_dtype)
     else:
         _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
             q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,

@@ -8,9 +8,10 @@ inside i - 1), so it overlaps all of tile i's work. Slot ids are read a tile ahe
 front of a copy's addresses; the softmax denominator is summed over keys once, after the loop, instead of
 across the two warpgroups every tile. The PV product is waited for where it is issued: left in flight across
 the loop's back edge, ptxas serialises every wgmma of the loop (C7515) and the kernel was 13% slower (H200,
-session 18: 0.221 against 0.195 ms, B64 H128 ctx 4096). Same contract as `_mla_decode_stage1`: 64 heads a
-program, 64-key tiles, 8 warps, bf16/fp16 latents of 512 + 64, writing the output itself with one split or
-float32 partials + log2-sum-exp for the merge.
+session 18: 0.221 against 0.195 ms, B64 H128 ctx 4096). fp8 latents (FMT 1/2) land as bytes in two 36 KB stages
+and are converted into one 16-bit tile before the products (0.440 -> 0.350 ms against the `tl.dot` kernel). Same
+contract as `_mla_decode_stage1`: 64 heads a program, 64-key tiles, 8 warps, latents of 512 + 64, writing the output
+itself with one split or float32 partials + log2-sum-exp for the merge.
 """
 
 from __future__ import annotations
@@ -48,13 +49,32 @@ def _issue_tile(lat_buf, pe_buf, Kv_Buf, slots, rows_valid, stride_kt,
 
 
 @gluon.jit
+def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr,
+                   DR: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile's latent and rope rows as wgmma operands: the landed buffers themselves, or (fp8 bits, FMT 1/2)
+    their values in `dtype`, written 128 columns at a time into the one 16-bit tile (the caller fences and syncs)."""
+    if FMT == 0:
+        lat, pe = lat_buf, pe_buf
+    else:
+        cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+        fp8: gl.constexpr = gl.float8e4nv if FMT == 1 else gl.float8e5
+        for c in gl.static_range(R // 128):
+            bits = lat_buf.slice(c * 128, 128, dim=1).load(cvt_layout)
+            lat_cvt.slice(c * 128, 128, dim=1).store(bits.to(fp8, bitcast=True).to(dtype))
+        bits = pe_buf.load(gl.BlockedLayout([1, 16], [16, 2], [8, 1], [1, 0]))
+        pe_cvt.store(bits.to(fp8, bitcast=True).to(dtype))
+        lat, pe = lat_cvt, pe_cvt
+    return lat, pe
+
+
+@gluon.jit
 def _mla_decode_stage1_gluon(
     Q, Q_pe, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
     qk_scale, v_scale, max_splits, min_chunk,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_kt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     stride_out_b, stride_out_h,
     H: gl.constexpr, BLOCK_H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
-    SINGLE: gl.constexpr,
+    SINGLE: gl.constexpr, FMT: gl.constexpr,
 ):
     # S = QK^T [heads, keys]: the two warpgroups split the keys; O [heads, R]: they split the latent columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -69,9 +89,21 @@ def _mla_decode_stage1_gluon(
     head_block = gl.program_id(0)
     b, split, kv_start, lo, hi = _program_keys(Kv_Indptr, max_splits, min_chunk, BLOCK_N)
     if lo < hi:
-        dtype = Q.dtype.element_ty
-        lat_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], lat_smem)
-        pe_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DR], lat_smem)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        kv_dtype: gl.constexpr = Kv_Buf.dtype.element_ty  # uint8 for fp8 bits
+        kv_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                     element_bitwidth=kv_dtype.primitive_bitwidth, rank=2)
+        pe_smem: gl.constexpr = gl.NVMMASharedLayout(  # 64 one-byte rope values make 64-byte rows
+            swizzle_byte_width=min(128, DR * kv_dtype.primitive_bitwidth // 8),
+            element_bitwidth=kv_dtype.primitive_bitwidth, rank=2)
+        lat_bufs = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, R], kv_smem)
+        pe_bufs = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, DR], pe_smem)
+        # fp8: the landed tile's values in `dtype` (one buffer, 72 KB next to two 36 KB fp8 stages); a token 4 KB
+        # otherwise (the smallest a 128-byte swizzle takes), never touched
+        CVT_N: gl.constexpr = BLOCK_N if FMT > 0 else 16
+        CVT_R: gl.constexpr = R if FMT > 0 else 64
+        lat_cvt = gl.allocate_shared_memory(dtype, [CVT_N, CVT_R], lat_smem)
+        pe_cvt = gl.allocate_shared_memory(dtype, [CVT_N, DR], lat_smem)
         key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_layout))
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         valid = lo + key_rows < hi
@@ -108,9 +140,13 @@ def _mla_decode_stage1_gluon(
                             DR, lat_layout, pe_layout)
                 valid = start + 2 * BLOCK_N + key_rows < hi
                 slots = gl.load(Kv_Indices + kv_start + start + 2 * BLOCK_N + key_rows, mask=valid, other=0)
-            lat = lat_bufs.index(buf)
+            lat, pe = _tile_operands(lat_bufs.index(buf), pe_bufs.index(buf), lat_cvt, pe_cvt, dtype, FMT, R, DR,
+                                     BLOCK_N)
+            if FMT > 0:
+                _cta_barrier()  # every thread's converted columns are in shared memory
+                fence_async_shared()
             s = warpgroup_mma(q_lat_s, lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_pe_s, pe_bufs.index(buf).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_pe_s, pe.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where((start + key_cols < hi)[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
