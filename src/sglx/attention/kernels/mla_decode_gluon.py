@@ -49,8 +49,7 @@ def _issue_tile(lat_buf, pe_buf, Kv_Buf, slots, rows_valid, stride_kt,
 
 
 @gluon.jit
-def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr,
-                   DR: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr):
     """The tile's latent and rope rows as wgmma operands: the landed buffers themselves, or (fp8 bits, FMT 1/2)
     their values in `dtype`, written 128 columns at a time into the one 16-bit tile (the caller fences and syncs)."""
     if FMT == 0:
@@ -61,7 +60,7 @@ def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: g
         for c in gl.static_range(R // 128):
             bits = lat_buf.slice(c * 128, 128, dim=1).load(cvt_layout)
             lat_cvt.slice(c * 128, 128, dim=1).store(bits.to(fp8, bitcast=True).to(dtype))
-        bits = pe_buf.load(gl.BlockedLayout([1, 16], [16, 2], [8, 1], [1, 0]))
+        bits = pe_buf.load(gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))  # exactly [64, 64], no copies
         pe_cvt.store(bits.to(fp8, bitcast=True).to(dtype))
         lat, pe = lat_cvt, pe_cvt
     return lat, pe
@@ -140,8 +139,7 @@ def _mla_decode_stage1_gluon(
                             DR, lat_layout, pe_layout)
                 valid = start + 2 * BLOCK_N + key_rows < hi
                 slots = gl.load(Kv_Indices + kv_start + start + 2 * BLOCK_N + key_rows, mask=valid, other=0)
-            lat, pe = _tile_operands(lat_bufs.index(buf), pe_bufs.index(buf), lat_cvt, pe_cvt, dtype, FMT, R, DR,
-                                     BLOCK_N)
+            lat, pe = _tile_operands(lat_bufs.index(buf), pe_bufs.index(buf), lat_cvt, pe_cvt, dtype, FMT, R)
             if FMT > 0:
                 _cta_barrier()  # every thread's converted columns are in shared memory
                 fence_async_shared()
