@@ -220,9 +220,9 @@ def _mla_decode_stage1(
 GLUON_TRITON = ("3.6.",)
 
 
-def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config: MLADecodeConfig,
+def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, shape: tuple[int | None, ...],
                 fp8_dtype: torch.dtype | None) -> bool:
-    shape = (config.block_h, config.block_n, config.num_warps, r, dr)
+    """shape: (block_h, block_n, warps, R, DR) of the launch."""
     return (q.device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16)
             and (kv_buffer.dtype == q.dtype if fp8_dtype is None else kv_buffer.dtype == torch.uint8)
@@ -237,9 +237,9 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
     latents 0.440 -> 0.350 ms."""
     if config.gluon is False:
         return False
-    fits = _gluon_fits(q, kv_buffer, r, dr, config, fp8_dtype)
+    shape = (config.block_h, config.block_n, config.num_warps, r, dr)
+    fits = _gluon_fits(q, kv_buffer, shape, fp8_dtype)
     if config.gluon and not fits:
-        shape = (config.block_h, config.block_n, config.num_warps, r, dr)
         raise ValueError("the Gluon MLA decode kernel takes SM90 GPUs, bf16/fp16 queries over latents of 512 + 64 "
                          "(the query's dtype or fp8) in 16-byte aligned rows and the 64-head launch (block_h 64, "
                          f"block_n 64, 8 warps); got {q.device}, {q.dtype}, KV {kv_buffer.dtype}, "
