@@ -239,7 +239,7 @@ register(BackendSpec(
           "double-buffers the latent tiles by hand (Triton 3.6). Verified under the Triton interpreter and on an "
           "H100/H200 (float64 kernel tests, transformers tokens, CUDA graphs); decode B64 H128 ctx 4096 on an H200: "
           "0.195 ms, 1.36x the time of FlashInfer MLA in the same run (tl.dot kernel alone: 0.303 ms, 2.1x); fp8 "
-          "latents 0.350 ms (docs/benchmarks.md).",
+          "latents 0.339 ms (docs/benchmarks.md).",
 ))
 
 register(BackendSpec(

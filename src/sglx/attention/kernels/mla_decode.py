@@ -19,7 +19,7 @@ The latent (R) and rope (DR) parts are separate blocks, so 512 + 64 is not padde
 
 On SM90 the 64-head launch runs stage 1 as a Gluon kernel instead (mla_decode_gluon.py, `MLADecodeConfig.gluon`):
 Triton's pipeliner cannot overlap a tile's copy with the previous tile's work at two stages, and a third does not
-fit. H200, session 18, B64 H128 ctx 4096: bf16 0.303 -> 0.195 ms (FlashInfer 0.143), fp8 latents 0.440 -> 0.350.
+fit. H200, session 18, B64 H128 ctx 4096: bf16 0.303 -> 0.195 ms (FlashInfer 0.143), fp8 latents 0.440 -> 0.339.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
               fp8_dtype: torch.dtype | None) -> bool:
     """Whether stage 1 runs the Gluon kernel (`MLADecodeConfig.gluon`; config resolved). Measured on the H200
     (session 18, benchmarks/results/s18/): B64 H128 ctx 4096 bf16 0.303 -> 0.195 ms, FlashInfer MLA 0.143; fp8
-    latents 0.440 -> 0.350 ms."""
+    latents 0.440 -> 0.339 ms."""
     if config.gluon is False:
         return False
     shape = (config.block_h, config.block_n, config.num_warps, r, dr)

@@ -9,7 +9,7 @@ front of a copy's addresses; the softmax denominator is summed over keys once, a
 across the two warpgroups every tile. The PV product is waited for where it is issued: left in flight across
 the loop's back edge, ptxas serialises every wgmma of the loop (C7515) and the kernel was 13% slower (H200,
 session 18: 0.221 against 0.195 ms, B64 H128 ctx 4096). fp8 latents (FMT 1/2) land as bytes in two 36 KB stages
-and are converted into one 16-bit tile before the products (0.440 -> 0.350 ms against the `tl.dot` kernel). Same
+and are converted into one 16-bit tile before the products (0.440 -> 0.339 ms against the `tl.dot` kernel). Same
 contract as `_mla_decode_stage1`: 64 heads a program, 64-key tiles, 8 warps, latents of 512 + 64, writing the output
 itself with one split or float32 partials + log2-sum-exp for the merge.
 """
