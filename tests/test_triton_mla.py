@@ -33,3 +33,21 @@ def test_gluon_stage1_is_chosen_only_where_it_fits_and_refused_clearly_elsewhere
     assert not use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=False)), None)
     with pytest.raises(ValueError, match=r"SM90 GPUs, bf16/fp16 queries over latents of 512 \+ 64 .* got cpu"):
         use_gluon(q, kv, 512, 64, wide_launch(MLADecodeConfig(gluon=True)), None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_wide_launch_splits_never_start_a_partial_second_wave():
+    """The 64-head launch runs one program per SM, so its split count rounds down: batch x 2 head blocks x splits
+    stays within the SMs (the counts that measured fastest on the H200 in session 19), a split keeps at least 128
+    keys, 60+ requests take one split, and an explicit num_splits wins."""
+    from dataclasses import replace
+
+    from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_num_splits, wide_launch
+
+    wide = wide_launch()
+    assert [mla_num_splits(bs, 128, 4096, 132, wide) for bs in (1, 2, 4, 8, 16, 32)] == [32, 32, 16, 8, 4, 2]
+    assert all(bs * 2 * mla_num_splits(bs, 128, 4096, 132, wide) <= 132 for bs in range(1, 67))
+    assert mla_num_splits(1, 128, 1024, 132, wide) == 8  # 1024 keys in 128-key splits
+    assert mla_num_splits(60, 128, 4096, 132, wide) == 1
+    assert mla_num_splits(4, 128, 4096, 132, replace(wide, num_splits=17)) == 17
+    assert mla_num_splits(4, 128, 4096, 132, wide_launch(MLADecodeConfig(min_chunk=64))) == 16

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_compute, online_softmax_step, padded_dim
-from sglx.attention.kernels.decode_attention import DecodeConfig, _split_range, choose_num_kv_splits
+from sglx.attention.kernels.decode_attention import MAX_SPLITS_CAP, DecodeConfig, _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
            "resolve_config", "split_chunk", "use_gluon", "wide_launch"]
@@ -40,7 +40,13 @@ __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode
 # compiles (sm_90a, triton 3.6: 255 registers, ~400 bytes spilled, 184 KB shared memory) and on the H100 (session
 # 7, B64 H128 ctx 4096) it took 0.492 ms against the 16-head launch's 1.383 ms with the same error, so it is the
 # fp8 default too (benchmarks/bench_mla_decode.py still times both).
-WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1, min_chunk=64)
+# Its split count never starts a second, partial wave of programs (`mla_num_splits`), and a split takes at least
+# 128 keys: H200, session 19, ctx 4096, one CUDA graph of 8 layers (benchmarks/results/s19/mla_splits_h128_h200_s19
+# .json), us a call at the old / new split count: batch 1 64 -> 32 splits 20.0 / 18.0, batch 2 33 -> 32 24.0 / 23.1,
+# batch 4 17 -> 16 31.7 / 30.6, batch 8 9 -> 8 48.0 / 47.2, batch 16 5 -> 4 110.3 / 80.0, batch 32 3 -> 2
+# 179.7 / 115.0; each new count was the fastest of the 12 timed (1 to 64 splits), and of 7 at ctx 1024 (batch 32:
+# 3 -> 2 splits 93.0 / 50.6 us; mla_splits_check_h200_s19.json).
+WIDE_LAUNCH = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, waves=1, min_chunk=128)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class MLADecodeConfig:
     small_batch_programs: int = 8
     waves: int | None = None  # stage-1 programs aimed at per SM when choosing the number of splits
     one_split_fill: float = 0.9  # one split once bs x head blocks programs reach this fraction of the SMs
+    num_splits: int | None = None  # an explicit split count (sweeps); None: `mla_num_splits`' rule
     # stage 1 as the Gluon kernel (mla_decode_gluon.py: latent tiles double-buffered by hand) instead of tl.dot's:
     # True requires it (ValueError where it does not apply), False never; None: where it applies (the 64-head
     # launch on SM90, bf16/fp16 queries, latents of 512 + 64 in their dtype or fp8) with the Triton release it was
@@ -105,14 +112,21 @@ def split_chunk(config: MLADecodeConfig, batch_size: int, heads: int) -> int:
 
 def mla_num_splits(batch_size: int, heads: int, max_seq_len: int, sms: int, config: MLADecodeConfig) -> int:
     """KV splits: one when the batch's programs already (nearly) fill the GPU (splitting would only add the
-    float32 partials and a merge), else enough to fill it (`choose_num_kv_splits`)."""
+    float32 partials and a merge), else enough to fill it (`choose_num_kv_splits`). The 64-head launch runs one
+    program per SM, so there the count is rounded down, not up: a second wave of a few programs would cost as much
+    as the first (see WIDE_LAUNCH)."""
+    if config.num_splits is not None:
+        return max(1, min(config.num_splits, MAX_SPLITS_CAP))
     blocks = head_blocks(heads, config)
     if batch_size * blocks >= config.one_split_fill * sms:
         return 1
     # MLA's one-split rule is the one above (its programs are one per SM), so the MHA rule is off here;
     # `config` is resolved (`resolve_config` sets waves)
-    mha = DecodeConfig(min_chunk=split_chunk(config, batch_size, heads), waves=config.waves,  # type: ignore[arg-type]
-                       one_split_rows_per_sm=0.0)
+    chunk = split_chunk(config, batch_size, heads)
+    if _block_h(heads, config) >= 64:
+        by_occupancy = config.waves * sms // (batch_size * blocks)  # type: ignore[operator]
+        return max(1, min(by_occupancy, triton.cdiv(max(max_seq_len, 1), chunk), MAX_SPLITS_CAP))
+    mha = DecodeConfig(min_chunk=chunk, waves=config.waves, one_split_rows_per_sm=0.0)  # type: ignore[arg-type]
     return choose_num_kv_splits(batch_size, blocks, max_seq_len, sms, mha)
 
 
