@@ -4,7 +4,7 @@ Each route is checked against float64 first (bench_mla_decode.measure); L2-flush
 through `mla_decode_attention` with `MLADecodeConfig(gluon=False / True)` and the backend's split policy.
 Session 18 also timed a Gluon form that left each PV product in flight across the loop's back edge (ptxas C7515:
 every wgmma serialised): 0.221 against 0.195 ms (benchmarks/results/s18/mla_gluon_pv_async_vs_sync_h200_s18.json).
-Usage (GPU, SM90):
+`--routes gluon,seesaw` times the warp-specialised kernel (mla_decode_seesaw.py) too. Usage (GPU, SM90):
 
     PYTHONPATH=src python3 benchmarks/bench_mla_gluon.py --out $OUT/mla_gluon.json [--batches 64,4] [--pages 1,64]
 """
@@ -23,8 +23,8 @@ from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attent
 from sglx.bench.timing import TimingBudget
 
 
-def route(case: Case, gluon: bool):
-    config = resolve_config(MLADecodeConfig(gluon=gluon), case.heads, case.pool.is_fp8, case.device)
+def route(case: Case, gluon: bool, seesaw: bool = False):
+    config = resolve_config(MLADecodeConfig(gluon=gluon, seesaw=seesaw), case.heads, case.pool.is_fp8, case.device)
     splits = mla_num_splits(case.batch, case.heads, case.context, num_sms(case.device), config)
     out = torch.empty(case.batch, case.heads, case.r, dtype=case.dtype, device=case.device)
     mid_o = torch.empty(case.batch, case.heads, splits, case.r, dtype=torch.float32, device=case.device)
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto (bf16 latents), fp8_e4m3")
+    ap.add_argument("--routes", default="triton,gluon", help="comma-separated: triton, gluon, seesaw")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -56,8 +57,8 @@ def main() -> None:
             case = Case(batch, args.heads, args.context, page, torch.bfloat16, kv_dtype, device, R, DR)
             rows = [flashinfer_row(case, device, budget)]
             for _ in range(args.rounds):
-                for name, gluon in (("triton", False), ("gluon", True)):
-                    fn, splits = route(case, gluon)
+                for name in args.routes.split(","):
+                    fn, splits = route(case, name != "triton", name == "seesaw")
                     try:
                         rows.append({**measure(name, fn, case, budget), "splits": splits})
                     except Exception as exc:  # noqa: BLE001 - a failing route is a result

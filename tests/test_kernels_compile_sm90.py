@@ -109,6 +109,17 @@ def _mla_stage1_gluon(single: bool, fmt: int = 0) -> tuple:
     return gluon_source(_mla_decode_stage1_gluon, consts, ptrs, ("qk_scale", "v_scale"), div16), 8, 1
 
 
+def _mla_stage1_seesaw(single: bool) -> tuple:
+    from sglx.attention.kernels.mla_decode import SEESAW_WORKER_REGS
+    from sglx.attention.kernels.mla_decode_seesaw import _mla_decode_stage1_seesaw
+
+    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
+            "Mid_Lse": "*fp32", "Out": BF16}
+    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single, WORKER_REGS=SEESAW_WORKER_REGS)
+    div16 = [n for n in _mla_decode_stage1_seesaw.arg_names if n.startswith("stride_")]
+    return gluon_source(_mla_decode_stage1_seesaw, consts, ptrs, ("qk_scale", "v_scale"), div16), 4, 1
+
+
 def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: bool = False,
                    fold: int = 1) -> tuple:
     from sglx.attention.kernels.decode_attention import _decode_stage1
@@ -170,6 +181,8 @@ VARIANTS = {
     "mla stage 1, Gluon 64-head, splits": lambda: _mla_stage1_gluon(False),
     "mla stage 1, Gluon 64-head, one split": lambda: _mla_stage1_gluon(True),
     "mla stage 1, Gluon 64-head, fp8 e4m3 latents": lambda: _mla_stage1_gluon(False, 1),
+    "mla stage 1, Gluon seesaw (warp-specialised), splits": lambda: _mla_stage1_seesaw(False),
+    "mla stage 1, Gluon seesaw (warp-specialised), one split": lambda: _mla_stage1_seesaw(True),
     "mla merge": _mla_merge,
     "mla rope + latent store + kv norm": lambda: _mla_rope(True, True),
     "mla rope": lambda: _mla_rope(False, False),

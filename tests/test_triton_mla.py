@@ -36,6 +36,21 @@ def test_gluon_stage1_is_chosen_only_where_it_fits_and_refused_clearly_elsewhere
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_seesaw_kernel_asked_for_where_it_cannot_run_is_refused_clearly():
+    """MLADecodeConfig(seesaw=True) on a CPU names what the warp-specialised Gluon kernel needs."""
+    import torch
+
+    from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+
+    q = torch.randn(2, 128, 576)
+    kv = torch.randn(16, 1, 576)
+    with pytest.raises(ValueError, match="seesaw runs on the Gluon route with 16-bit latents .* got cpu"):
+        mla_decode_attention(q, kv, torch.empty(2, 128, 512), torch.tensor([0, 8, 16], dtype=torch.int32),
+                             torch.arange(16, dtype=torch.int32), torch.empty(2, 128, 1, 512), torch.empty(2, 128, 1),
+                             0.1, 512, config=MLADecodeConfig(seesaw=True))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_wide_launch_splits_never_start_a_partial_second_wave():
     """The 64-head launch runs one program per SM, so its split count rounds down: batch x 2 head blocks x splits
     stays within the SMs (the counts that measured fastest on the H200 in session 19), a split keeps at least 128

@@ -23,7 +23,7 @@ DEV = "cuda"
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-@pytest.mark.parametrize("launch", ["default", "wide", "tl_dot"])
+@pytest.mark.parametrize("launch", ["default", "wide", "tl_dot", "seesaw"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype,page,heads", [(torch.bfloat16, 1, 128), (torch.bfloat16, 64, 16),
                                               (torch.float16, 16, 128)])
@@ -31,7 +31,8 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cache_dtype, launch, batch):
     """Latent 512 + rope 64, ragged contexts up to 3000 keys on scattered pages, several splits (batch 4) or one
     (batch 64 with 128 heads); "wide": the 64-head launch on fp8 latents (bf16 with 64+ heads gets it by default);
-    "tl_dot": the 64-head launch without the Gluon kernel (the default takes it on SM90, 16-bit or fp8 latents)."""
+    "tl_dot": the 64-head launch without the Gluon kernel (the default takes it on SM90, 16-bit or fp8 latents);
+    "seesaw": the warp-specialised Gluon kernel (16-bit latents)."""
     from sglx.attention.kernels.common import num_sms
     from sglx.attention.kernels.kv_indices import build_kv_indices, build_kv_indptr
     from sglx.attention.kernels.mla_decode import (
@@ -47,6 +48,8 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
         pytest.skip("the default launch already is the wide one, or too few heads for it")
     if launch == "tl_dot" and heads < 64:
         pytest.skip("no Gluon kernel to leave out")
+    if launch == "seesaw" and (heads < 64 or kv_cache_dtype != "auto" or not triton_verifies_gluon()):
+        pytest.skip("the seesaw kernel takes 16-bit latents, 64+ heads and SM90 with a verified Triton")
     if batch == 64 and (heads < 64 or page != 1):
         pytest.skip("one split needs 64+ heads; one page size is enough")
     from sglx.llm.kv_cache import ReqToTokenPool
@@ -70,7 +73,8 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
     kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
     build_kv_indices(r2t.req_to_token, torch.tensor(rows, device=DEV), kv_indptr, kv_indices)
-    base = {"wide": wide_launch(), "tl_dot": MLADecodeConfig(gluon=False)}.get(launch, MLADecodeConfig())
+    base = {"wide": wide_launch(), "tl_dot": MLADecodeConfig(gluon=False),
+            "seesaw": MLADecodeConfig(seesaw=True)}.get(launch, MLADecodeConfig())
     config = resolve_config(base, heads, pool.is_fp8, torch.device(DEV))  # default: what the backend launches
     splits = mla_num_splits(len(lens), heads, max(lens), num_sms(torch.device(DEV)), config)
     assert (splits > 1) == (batch == 4)  # four requests never fill the GPU: the split merge is exercised too
@@ -90,7 +94,8 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
 
 
 @pytest.mark.parametrize("batch", [4, 64])
-def test_gluon_mla_decode_replays_in_a_cuda_graph(batch: int) -> None:
+@pytest.mark.parametrize("seesaw", [False, True])
+def test_gluon_mla_decode_replays_in_a_cuda_graph(batch: int, seesaw: bool) -> None:
     """The Gluon stage 1 (and the merge, batch 4) captured in a CUDA graph and replayed on new inputs equals eager."""
     from sglx.attention.kernels.common import num_sms
     from sglx.attention.kernels.mla_decode import MLADecodeConfig as Config
@@ -103,7 +108,7 @@ def test_gluon_mla_decode_replays_in_a_cuda_graph(batch: int) -> None:
     kv = torch.randn(batch * ctx + 1, 1, r + dr, device=DEV, generator=gen).to(torch.bfloat16)
     kv_indptr = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * ctx
     kv_indices = (torch.randperm(batch * ctx, device=DEV, generator=gen) + 1).int()
-    config = resolve_config(Config(), heads, False, torch.device(DEV))
+    config = resolve_config(Config(seesaw=seesaw), heads, False, torch.device(DEV))
     splits = mla_num_splits(batch, heads, ctx, num_sms(torch.device(DEV)), config)
     q = torch.randn(batch, heads, r + dr, device=DEV, generator=gen).to(torch.bfloat16)
     assert use_gluon(q[..., :r], kv, r, dr, config, None)

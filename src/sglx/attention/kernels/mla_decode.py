@@ -68,6 +68,10 @@ class MLADecodeConfig:
     # launch on SM90, bf16/fp16 queries, latents of 512 + 64 in their dtype or fp8) with the Triton release it was
     # verified on (`GLUON_TRITON`)
     gluon: bool | None = None
+    # within the Gluon route, bf16/fp16 latents: the warp-specialised kernel (mla_decode_seesaw.py: each warpgroup
+    # owns every other tile) instead of mla_decode_gluon.py's. Slower on the H200 (session 19): True takes it (for
+    # timing and for work on it), None and False never do
+    seesaw: bool | None = None
 
 
 def resolve_config(config: MLADecodeConfig, heads: int, fp8: bool, device: torch.device,
@@ -232,6 +236,8 @@ def _mla_decode_stage1(
 # Triton releases whose Gluon kernel ran on the lent GPU (H200, session 18); later ones compile it (CPU tier) but
 # have not run it, so `gluon=None` keeps them on the tl.dot kernel
 GLUON_TRITON = ("3.6.",)
+# registers a thread of the seesaw kernel's second warpgroup (setmaxnreg); the first gets the rest of the 64K
+SEESAW_WORKER_REGS = 256
 
 
 def _gluon_fits(q: torch.Tensor, kv_buffer: torch.Tensor, shape: tuple[int | None, ...],
@@ -265,11 +271,22 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
 def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
                   qk_scale: float, v_scale: float, max_splits: int, min_chunk: int,
-                  fp8_dtype: torch.dtype | None) -> None:
+                  fp8_dtype: torch.dtype | None, seesaw: bool = False) -> None:
     """Stage 1 through `mla_decode_gluon` (same outputs as `_mla_decode_stage1`; `use_gluon` said it fits)."""
     from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
     bs, h, r = q.shape
+    if seesaw:
+        from sglx.attention.kernels.mla_decode_seesaw import _mla_decode_stage1_seesaw
+
+        _mla_decode_stage1_seesaw[(triton.cdiv(h, 64), bs, max_splits)](
+            q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits,
+            min_chunk, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64,
+            SINGLE=max_splits == 1, WORKER_REGS=SEESAW_WORKER_REGS, num_warps=4,
+        )
+        return
     _mla_decode_stage1_gluon[(triton.cdiv(h, 64), bs, max_splits)](
         q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
@@ -314,9 +331,14 @@ def mla_decode_attention(
     block_h = _block_h(h, config)
     min_chunk = split_chunk(config, bs, h)
     single = max_splits == 1
-    if use_gluon(q, kv_buffer, r, dr, config, fp8_dtype):
+    gluon = use_gluon(q, kv_buffer, r, dr, config, fp8_dtype)
+    if config.seesaw and (fp8_dtype is not None or not gluon):
+        raise ValueError("MLADecodeConfig.seesaw runs on the Gluon route with 16-bit latents (SM90, the 64-head "
+                         f"launch); got {q.device}, KV {kv_buffer.dtype}, fp8 {fp8_dtype}: leave seesaw unset")
+    if gluon:
         _gluon_stage1(q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, scaling * kv_scale * LOG2E,
-                      float(kv_scale), max_splits, min_chunk, fp8_dtype)
+                      float(kv_scale), max_splits, min_chunk, fp8_dtype,
+                      seesaw=bool(config.seesaw) and fp8_dtype is None)
     else:
         _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
             q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
