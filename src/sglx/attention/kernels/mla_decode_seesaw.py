@@ -22,10 +22,10 @@ CUDA-graph tests pass) but slower than mla_decode_gluon.py, 0.229 against 0.195 
 runs only on request (`MLADecodeConfig(seesaw=True)`). Its products without the copies take 0.161 ms, no better
 than the other kernel's 0.157: the two warpgroups run in lockstep (both wait for each other's maxima every pair, so
 neither's softmax overlaps the other's products), and the next pair's copies are issued one PV product before they
-are needed, which leaves 0.068 ms of copy latency exposed. What it lacks against FlashMLA: the maxima passed one way
-(warpgroup 1 takes warpgroup 0's, warpgroup 0 rescales after), products left in flight across the next QK^T's issue,
-and per-column-chunk barriers so QK^T starts on the first chunk that lands. ptxas spills about 1 KB a thread (the
-wgmma descriptors hoisted out of the loop).
+are needed, which leaves 0.068 ms of copy latency exposed. Passing the maxima one way (FlashMLA's order) instead
+of exchanging them was timed and gained under 1%. What it still lacks against FlashMLA: products left in flight
+across the next QK^T's issue, and per-column-chunk barriers so QK^T starts on the first chunk that lands. ptxas
+spills about 1 KB a thread (the wgmma descriptors hoisted out of the loop).
 """
 
 from __future__ import annotations
