@@ -133,7 +133,7 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
-def _extend(ext: bool, tma: bool = False, section: int = 0) -> tuple:
+def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True) -> tuple:
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
     block_n = 128 if tma else 64
@@ -141,8 +141,11 @@ def _extend(ext: bool, tma: bool = False, section: int = 0) -> tuple:
     ptrs = {"Q": BF16, "Out": BF16, "K_Buf": BF16, "V_Buf": BF16, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
-                  BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=0, SOFTCAP=False, IEEE=False, SLOT_SCALES=False)
-    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
+                  BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=0, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
+                  PREFETCH=prefetch)
+    div16 = [n for n in _extend_kernel.arg_names if n.startswith("stride_")]  # as a real launch's strides: else
+    # the tiles load one element at a time and are never pipelined
+    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16), 8, 3
 
 
 def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
@@ -194,6 +197,7 @@ VARIANTS = {
     "decode stage 1, fp8 per-token tile_max scales a tile ahead": lambda: _decode_stage1(False, True, True, True, 0),
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
+    "extend, pool only, slot ids loaded in the loop": lambda: _extend(False, prefetch=False),
     "extend, TMA rows": lambda: _extend(True, tma=True),
     "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),

@@ -125,8 +125,10 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
     refs = [reference_attention(q[r:r + n], cache.keys[i], cache.values[i], torch.arange(p, p + n), dim ** -0.5,
                                 window, cap)
             for i, (r, p, n) in enumerate(zip([0, *itertools.accumulate(new)], prefix, new))]
-    # programs one (request, head) after another, and 8 pairs at a time (the SM90 default for GQA prefill)
-    for config in (ExtendConfig(section=0), ExtendConfig(section=8)):
+    # programs one (request, head) after another, and 8 pairs at a time (the SM90 default for GQA prefill); the
+    # unmasked pool loop with its slot ids a tile ahead and without (the default picks by where most keys come from)
+    for config in (ExtendConfig(section=0), ExtendConfig(section=8), ExtendConfig(prefetch_slots=True),
+                   ExtendConfig(prefetch_slots=False)):
         out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
         extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                          dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],

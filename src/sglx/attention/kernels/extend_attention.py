@@ -48,6 +48,17 @@ class ExtendConfig:
     # [query blocks, batch, heads]); n > 0 = n pairs at a time, heaviest first across all n (longest work first
     # while their K/V stay in L2); None: the device's default (`_section`)
     section: int | None = None
+    # the unmasked pool loop reads each tile's slot ids one tile ahead, into registers. Without it Triton's
+    # pipeliner turns the id loads into async copies of their own, and the `async_wait num=0` they force at the
+    # loop head waits for the K/V copies just issued: the gathered tiles never overlap the previous tile's work
+    # (TTGIR of the 3-stage launch, session 19); with it the loop waits with 2 copies in flight. None: on where
+    # most keys come from the pool (the tile-shape rule's "not ext_heavy"; an fp8 pool always). H200, session 19,
+    # B4 H32 D128 page 16, `sglx bench attention --phase prefill`, old/new alternated (benchmarks/results/s19/
+    # prefill_slot_prefetch/): 512 new on a 4096 prefix 0.4425 / 0.4465 -> 0.4007 / 0.4052 ms (FlashInfer paged
+    # 0.304-0.307), fp8 pool 0.623 / 0.621 -> 0.530 / 0.535, fp8 causal 4096 2.302 / 2.287 -> 2.055 / 2.039. Forced
+    # on for bf16 causal 4096 with no prefix it was 2-5% slower (1.249 / 1.221 -> 1.279 / 1.283 ms; ptxas spills
+    # next to the hot TMA loops), so there it stays off
+    prefetch_slots: bool | None = None
 
 
 @triton.jit
@@ -58,6 +69,7 @@ def _extend_tiles(
     K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -66,6 +78,9 @@ def _extend_tiles(
     (FROM_EXT only) K_Ext/V_Ext are [T, Hkv * D] descriptors: rows past the tensor read as zeros, rows of the
     next request are finite and hidden by the causal/length mask of the MASKED tiles.
     """
+    if PREFETCH and not FROM_EXT and not MASKED:  # slot ids a tile ahead, in registers (ExtendConfig.prefetch_slots)
+        ahead = lo + tl.arange(0, BLOCK_N)
+        next_slots = tl.load(Kv_Indices + kv_start + ahead, mask=(ahead < hi) & (ahead < kv_len), other=0)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start + tl.arange(0, BLOCK_N)
         if FROM_EXT and TMA:
@@ -86,7 +101,12 @@ def _extend_tiles(
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         else:
-            slots = tl.load(Kv_Indices + kv_start + offs_n).to(tl.int64)
+            if PREFETCH:
+                slots = next_slots.to(tl.int64)
+                ahead = offs_n + BLOCK_N
+                next_slots = tl.load(Kv_Indices + kv_start + ahead, mask=(ahead < hi) & (ahead < kv_len), other=0)
+            else:
+                slots = tl.load(Kv_Indices + kv_start + offs_n).to(tl.int64)
             k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                         mask=d_mask[:, None], other=0.0)
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
@@ -119,7 +139,7 @@ def _extend_kernel(
     WS: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    SLOT_SCALES: tl.constexpr,
+    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     if SECTION > 0:  # one axis: SECTION (request, head) pairs at a time, heaviest query blocks first across them
         pid = tl.program_id(0)
@@ -180,19 +200,21 @@ def _extend_kernel(
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
+                                          *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
+                                          PREFETCH)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
-                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS)
+                                          *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
+                                          PREFETCH)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -275,6 +297,7 @@ def extend_attention(
     tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
     ext_heavy = ext and prefix_tokens <= num_tokens
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma)
+    prefetch = not ext_heavy if config.prefetch_slots is None else config.prefetch_slots
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
     if slot_scales:
@@ -299,6 +322,7 @@ def extend_attention(
         EXT=ext, TMA=tma, WS=config.warp_specialize, SECTION=section, M_BLOCKS=m_blocks, NUM_BH=bs * hq, HQ=hq,
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
-        IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
