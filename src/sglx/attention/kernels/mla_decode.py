@@ -272,28 +272,23 @@ def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, 
                   kv_indices: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
                   qk_scale: float, v_scale: float, max_splits: int, min_chunk: int,
                   fp8_dtype: torch.dtype | None, seesaw: bool = False) -> None:
-    """Stage 1 through `mla_decode_gluon` (same outputs as `_mla_decode_stage1`; `use_gluon` said it fits)."""
-    from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
-
+    """Stage 1 through `mla_decode_gluon`, or `mla_decode_seesaw` (16-bit latents): same outputs as
+    `_mla_decode_stage1`; `use_gluon` said it fits. Both Gluon kernels take the same arguments."""
     bs, h, r = q.shape
+    args = (q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
+            q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1))
+    consts = dict(H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64, SINGLE=max_splits == 1)
+    grid = (triton.cdiv(h, 64), bs, max_splits)
     if seesaw:
         from sglx.attention.kernels.mla_decode_seesaw import _mla_decode_stage1_seesaw
 
-        _mla_decode_stage1_seesaw[(triton.cdiv(h, 64), bs, max_splits)](
-            q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits,
-            min_chunk, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64,
-            SINGLE=max_splits == 1, WORKER_REGS=SEESAW_WORKER_REGS, num_warps=4,
-        )
-        return
-    _mla_decode_stage1_gluon[(triton.cdiv(h, 64), bs, max_splits)](
-        q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), H=h, BLOCK_H=64, R=r, DR=q_pe.shape[-1], BLOCK_N=64, SINGLE=max_splits == 1,
-        FMT=kv_format(fp8_dtype), num_warps=8,
-    )
+        _mla_decode_stage1_seesaw[grid](*args, **consts, WORKER_REGS=SEESAW_WORKER_REGS, num_warps=4)
+    else:
+        from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
+
+        _mla_decode_stage1_gluon[grid](*args, **consts, FMT=kv_format(fp8_dtype), num_warps=8)
 
 
 def mla_decode_attention(
@@ -337,8 +332,7 @@ def mla_decode_attention(
                          f"launch); got {q.device}, KV {kv_buffer.dtype}, fp8 {fp8_dtype}: leave seesaw unset")
     if gluon:
         _gluon_stage1(q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, scaling * kv_scale * LOG2E,
-                      float(kv_scale), max_splits, min_chunk, fp8_dtype,
-                      seesaw=bool(config.seesaw) and fp8_dtype is None)
+                      float(kv_scale), max_splits, min_chunk, fp8_dtype, seesaw=bool(config.seesaw))
     else:
         _mla_decode_stage1[(triton.cdiv(h, block_h), bs, max_splits)](
             q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,

@@ -67,6 +67,29 @@ def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: g
 
 
 @gluon.jit
+def _store_result(acc, l_i, m_i, v_scale, Out, Mid_O, Mid_Lse, b, split, head_block,
+                  stride_out_b, stride_out_h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                  H: gl.constexpr, R: gl.constexpr, COL0: gl.constexpr, SINGLE: gl.constexpr, LSE: gl.constexpr):
+    """acc / l * v_scale for latent columns [COL0, COL0 + acc's width): the answer with one split, else the float32
+    partial and (LSE) each head's log2-sum-exp m + log2(l), in l's layout. Shared by both Gluon stage-1 kernels."""
+    o_layout: gl.constexpr = acc.type.layout
+    BLOCK_H: gl.constexpr = acc.type.shape[0]
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    cols = COL0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, o_layout))
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None] * v_scale
+    mask = (heads[:, None] < H) & (cols[None, :] < R)
+    if SINGLE:  # the only split: this is the answer
+        o_row = Out + b.to(gl.int64) * stride_out_b + heads[:, None] * stride_out_h
+        gl.store(o_row + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    else:
+        o_row = Mid_O + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
+        gl.store(o_row + cols[None, :], out, mask=mask)
+        if LSE:
+            lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=l_i.type.layout)
+            gl.store(Mid_Lse + b * stride_lb + lse_heads * stride_lh + split, m_i + gl.log2(l_i), mask=lse_heads < H)
+
+
+@gluon.jit
 def _mla_decode_stage1_gluon(
     Q, Q_pe, Kv_Buf, Kv_Indptr, Kv_Indices, Mid_O, Mid_Lse, Out,
     qk_scale, v_scale, max_splits, min_chunk,
@@ -156,17 +179,5 @@ def _mla_decode_stage1_gluon(
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, lat, acc)  # synchronous: see the module docstring
         l_i = gl.sum(l_tile, 1)
-
-        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, R, layout=gl.SliceLayout(0, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / l_o[:, None] * v_scale
-        mask = (heads[:, None] < H) & (cols[None, :] < R)
-        if SINGLE:  # the only split: this is the answer
-            o_row = Out + b.to(gl.int64) * stride_out_b + heads[:, None] * stride_out_h
-            gl.store(o_row + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
-        else:
-            o_row = Mid_O + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
-            gl.store(o_row + cols[None, :], out, mask=mask)
-            lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-            gl.store(Mid_Lse + b * stride_lb + lse_heads * stride_lh + split, m_i + gl.log2(l_i), mask=lse_heads < H)
+        _store_result(acc, l_i, m_i, v_scale, Out, Mid_O, Mid_Lse, b, split, head_block, stride_out_b, stride_out_h,
+                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, H, R, 0, SINGLE, True)

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sglx.attention.kernels.mla_decode import _program_keys
-from sglx.attention.kernels.mla_decode_gluon import _cp_async, _cta_barrier
+from sglx.attention.kernels.mla_decode_gluon import _cp_async, _cta_barrier, _store_result
 
 # mbarriers, [10 + 1]: tile w's latent half w + rope landed (loaded by warpgroup w), tile w's other latent half
 # landed (loaded by the other warpgroup), warpgroup w's row maxima in shared memory, its P tile in shared memory,
@@ -63,6 +63,24 @@ def _load_rows(buf, Kv_Buf, slots, valid, stride_kt, COL0: gl.constexpr, NCOLS: 
     cols = gl.arange(0, NCOLS, layout=gl.SliceLayout(0, layout))
     ptrs = Kv_Buf + (slots.to(gl.int64) * stride_kt)[:, None] + COL0 + cols[None, :]
     _cp_async(buf, ptrs, mask=valid[:, None] & (cols[None, :] < NCOLS))
+
+
+@gluon.jit
+def _load_own(own, own_pe, bar, Kv_Buf, slots, valid, stride_kt, W: gl.constexpr, R: gl.constexpr,
+              DR: gl.constexpr, layout: gl.constexpr):
+    """Warpgroup W's own tile: its latent half W and its rope columns; `bar` gets one arrival a thread on landing."""
+    HALF: gl.constexpr = R // 2
+    _load_rows(own.slice(W * HALF, HALF, dim=1), Kv_Buf, slots, valid, stride_kt, W * HALF, HALF, layout)
+    _load_rows(own_pe, Kv_Buf, slots, valid, stride_kt, R, DR, layout)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _load_other(oth, bar, Kv_Buf, slots, valid, stride_kt, W: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+    """Latent half W of the other warpgroup's tile (what warpgroup W's remote PV reads)."""
+    HALF: gl.constexpr = R // 2
+    _load_rows(oth.slice(W * HALF, HALF, dim=1), Kv_Buf, slots, valid, stride_kt, W * HALF, HALF, layout)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -102,12 +120,9 @@ def _seesaw_warpgroup(
 
     # pair 0: this warpgroup's tile (latent half W + rope) and latent half W of the other tile
     slots, valid = _tile_slots(Kv_Indices, kv_start, lo + W * BLOCK_N, hi, rows)
-    _load_rows(own.slice(W * HALF, HALF, dim=1), Kv_Buf, slots, valid, stride_kt, W * HALF, HALF, ld_layout)
-    _load_rows(own_pe, Kv_Buf, slots, valid, stride_kt, R, DR, ld_layout)
-    async_copy.mbarrier_arrive(bars.index(_OWN + W), increment_count=False)
+    _load_own(own, own_pe, bars.index(_OWN + W), Kv_Buf, slots, valid, stride_kt, W, R, DR, ld_layout)
     slots, valid = _tile_slots(Kv_Indices, kv_start, lo + OTHER * BLOCK_N, hi, rows)
-    _load_rows(oth.slice(W * HALF, HALF, dim=1), Kv_Buf, slots, valid, stride_kt, W * HALF, HALF, ld_layout)
-    async_copy.mbarrier_arrive(bars.index(_OTHER + OTHER), increment_count=False)
+    _load_other(oth, bars.index(_OTHER + OTHER), Kv_Buf, slots, valid, stride_kt, W, R, ld_layout)
     # pair 1's slot ids, a pair ahead of their copies
     own_slots, own_valid = _tile_slots(Kv_Indices, kv_start, lo + (2 + W) * BLOCK_N, hi, rows)
     oth_slots, oth_valid = _tile_slots(Kv_Indices, kv_start, lo + (2 + OTHER) * BLOCK_N, hi, rows)
@@ -162,17 +177,12 @@ def _seesaw_warpgroup(
         # local PV (P from registers), then this tile's latent half W and rope are free: the next pair's copies
         acc = warpgroup_mma(gl.convert_layout(p16, pa_layout), own.slice(W * HALF, HALF, dim=1), acc)
         if more:
-            _load_rows(own.slice(W * HALF, HALF, dim=1), Kv_Buf, own_slots, own_valid, stride_kt, W * HALF, HALF,
-                       ld_layout)
-            _load_rows(own_pe, Kv_Buf, own_slots, own_valid, stride_kt, R, DR, ld_layout)
-            async_copy.mbarrier_arrive(bars.index(_OWN + W), increment_count=False)
+            _load_own(own, own_pe, bars.index(_OWN + W), Kv_Buf, own_slots, own_valid, stride_kt, W, R, DR, ld_layout)
         # remote PV (the other tile's P from shared memory), then that tile's latent half W is free
         mbarrier.wait(bars.index(_P + OTHER), ph)
         acc = warpgroup_mma(p_bufs.index(OTHER), oth.slice(W * HALF, HALF, dim=1), acc)
         if more:
-            _load_rows(oth.slice(W * HALF, HALF, dim=1), Kv_Buf, oth_slots, oth_valid, stride_kt, W * HALF, HALF,
-                       ld_layout)
-            async_copy.mbarrier_arrive(bars.index(_OTHER + OTHER), increment_count=False)
+            _load_other(oth, bars.index(_OTHER + OTHER), Kv_Buf, oth_slots, oth_valid, stride_kt, W, R, ld_layout)
             own_slots, own_valid = _tile_slots(Kv_Indices, kv_start, start + 4 * BLOCK_N, hi, rows)
             oth_slots, oth_valid = _tile_slots(Kv_Indices, kv_start, start + (4 + OTHER - W) * BLOCK_N, hi, rows)
 
@@ -182,20 +192,8 @@ def _seesaw_warpgroup(
     mbarrier.arrive(bars.index(_SUM + W), count=1)
     mbarrier.wait(bars.index(_SUM + OTHER), 0)
     l_all = l_i + l_bufs.index(OTHER).load(vec_layout)
-    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    out = acc / gl.convert_layout(l_all, gl.SliceLayout(1, o_layout))[:, None] * v_scale
-    mask = (heads[:, None] < H) & (cols[None, :] < R)
-    if SINGLE:  # the only split: this is the answer
-        o_row = Out + b.to(gl.int64) * stride_out_b + heads[:, None] * stride_out_h
-        gl.store(o_row + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
-    else:
-        o_row = Mid_O + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
-        gl.store(o_row + cols[None, :], out, mask=mask)
-        if W == 0:
-            lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=vec_layout)
-            gl.store(Mid_Lse + b * stride_lb + lse_heads * stride_lh + split, m_i + gl.log2(l_all),
-                     mask=lse_heads < H)
+    _store_result(acc, l_all, m_i, v_scale, Out, Mid_O, Mid_Lse, b, split, head_block, stride_out_b, stride_out_h,
+                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, H, R, W * HALF, SINGLE, W == 0)
 
 
 @gluon.jit
