@@ -99,25 +99,26 @@ def _per_head_gemv() -> tuple:
     return kernel_source(_per_head_gemv_kernel, dict(BLOCK_T=16, BLOCK_K=128, BLOCK_N=64, IEEE=False), ptrs), 4, 3
 
 
+def _mla_gluon_launch(fn, warps: int, kv: str = BF16, **consts) -> tuple:
+    """A Gluon MLA stage-1 kernel (both share one argument list) at DeepSeek-V3's shape."""
+    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": kv, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
+            "Mid_Lse": "*fp32", "Out": BF16}
+    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, **consts)
+    div16 = [n for n in fn.arg_names if n.startswith("stride_")]
+    return gluon_source(fn, consts, ptrs, ("qk_scale", "v_scale"), div16), warps, 1
+
+
 def _mla_stage1_gluon(single: bool, fmt: int = 0) -> tuple:
     from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
-    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": "*u8" if fmt else BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
-            "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": BF16}
-    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single, FMT=fmt)
-    div16 = [n for n in _mla_decode_stage1_gluon.arg_names if n.startswith("stride_")]
-    return gluon_source(_mla_decode_stage1_gluon, consts, ptrs, ("qk_scale", "v_scale"), div16), 8, 1
+    return _mla_gluon_launch(_mla_decode_stage1_gluon, 8, "*u8" if fmt else BF16, SINGLE=single, FMT=fmt)
 
 
 def _mla_stage1_seesaw(single: bool) -> tuple:
     from sglx.attention.kernels.mla_decode import SEESAW_WORKER_REGS
     from sglx.attention.kernels.mla_decode_seesaw import _mla_decode_stage1_seesaw
 
-    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": BF16, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
-            "Mid_Lse": "*fp32", "Out": BF16}
-    consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, SINGLE=single, WORKER_REGS=SEESAW_WORKER_REGS)
-    div16 = [n for n in _mla_decode_stage1_seesaw.arg_names if n.startswith("stride_")]
-    return gluon_source(_mla_decode_stage1_seesaw, consts, ptrs, ("qk_scale", "v_scale"), div16), 4, 1
+    return _mla_gluon_launch(_mla_decode_stage1_seesaw, 4, SINGLE=single, WORKER_REGS=SEESAW_WORKER_REGS)
 
 
 def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: bool = False,
