@@ -1,5 +1,9 @@
-"""Ranks for test_spawn_semaphores: each makes a multiprocessing lock (a named semaphore, as tqdm does for every
-progress bar), then rank 1 raises while rank 0 waits to be terminated, or both return."""
+"""Ranks for test_spawn_semaphores: each makes multiprocessing locks (named semaphores, as tqdm does for every
+progress bar), then rank 1 raises while rank 0 waits to be terminated, or both return.
+
+Many locks, so that releasing them takes long enough for the parent's SIGTERMs to land in the middle of it: one
+landing between a finalizer's unlink and unregister is what made CI print a leaked-semaphore warning once in
+many runs (with 2000 locks the old code leaked in 4 of 6 runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ import time
 
 from sglx.distributed import WorkerError, spawn_workers
 
+LOCKS = 2000
+
 
 def lock_then(rank: int, world: int, fail: bool) -> str:
-    lock = multiprocessing.RLock()  # noqa: F841 - alive until the rank ends, as a progress bar's lock is
+    locks = [multiprocessing.RLock() for _ in range(LOCKS)]  # noqa: F841 - alive until the rank ends
     if fail and rank == 1:
         raise ValueError("boom")
     if fail:

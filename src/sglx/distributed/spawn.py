@@ -84,7 +84,8 @@ def _exit_with_parent() -> None:
         from multiprocessing.connection import wait
 
         wait([parent.sentinel])
-        release_semaphores()
+        with _RELEASE_LOCK:  # not while the main thread is inside a finalizer (os._exit would cut it short)
+            release_semaphores()
         os._exit(3)
 
     threading.Thread(target=watch, name="sglx-parent-watch", daemon=True).start()
@@ -109,6 +110,32 @@ def release_semaphores() -> None:
                 finalizer()
 
 
+_RELEASE_LOCK = threading.Lock()
+_releasing = False  # touched on the main thread only (Python runs signal handlers there)
+
+
+def _release_before_exit() -> bool:
+    """Main thread, once per process: stop listening to SIGTERM, then release the semaphores.
+
+    Why SIG_IGN and not a signal mask: the parent sends SIGTERM to the process (twice when a failure is followed by
+    shutdown), and the kernel hands a process-directed signal to any thread that does not block it, such as the
+    parent-watch thread; Python then runs the handler on the main thread between two bytecodes, possibly inside a
+    finalizer that has unlinked its semaphore and not yet unregistered it, and the handler's own exit cut it there
+    (the tracker then warned about a name that no longer existed). Ignoring is process-wide. False when a release
+    is already under way on this thread (a handler tripped before SIGTERM was ignored runs late, inside it).
+    """
+    global _releasing
+    if _releasing:
+        return False
+    _releasing = True
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with _RELEASE_LOCK:
+        release_semaphores()
+    return True
+
+
 def _release_on_sigterm() -> None:
     """SIGTERM (WorkerGroup.terminate ends the other ranks after a failure): release the semaphores, then die of
     SIGTERM as before (the exit status still says so). A rank stuck in a C call gets here when the call returns,
@@ -116,19 +143,12 @@ def _release_on_sigterm() -> None:
     import signal
 
     def handler(signum: int, _frame: Any) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signum})  # a second SIGTERM must not cut the release short
-        release_semaphores()
+        if not _release_before_exit():
+            return
         signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # pending until unblocked below, then fatal
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, handler)
-
-
-def _block_sigterm() -> None:
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, env: dict[str, str],
@@ -143,10 +163,8 @@ def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
         results.close()
         results.join_thread()
         # The parent terminates the other ranks as soon as it reads this report, this one too if it is still
-        # alive: a SIGTERM landing inside a semaphore's finalizer (unlinked, not yet unregistered) would leave
-        # the tracker a name it warns about, so SIGTERM waits until os._exit.
-        _block_sigterm()
-        release_semaphores()  # os._exit skips the finalizers that would
+        # alive: from here on SIGTERM is ignored, so it cannot cut a semaphore's finalizer short.
+        _release_before_exit()  # os._exit skips the finalizers that would
         os._exit(1)  # skip torch's atexit teardown, which can block on a group whose peers are gone
     # pickled here with the standard pickler: torch's queue reducers would pass tensors as shared-memory
     # handles, which the parent cannot open once this process has exited
