@@ -4,7 +4,9 @@ layer, each layer on its own latent buffer (no L2 reuse between calls), replayed
 Why: the V2-Lite batch-1 step spends about 12 us a layer in MLA decode (stage 1 + merge) for 544 keys, and single
 launches of a ~10 us kernel timed with events are dominated by launch noise (benchmarks/bench_mla_decode.py's
 sweep at batch 1 spread 20-158 us for near-identical configs). Each config is checked against float64 first
-(bf16 max abs error <= 3e-2). Usage (GPU):
+(bf16 max abs error <= 3e-2). FlashInfer's MLA wrapper on the same pages is timed the same way (`flashinfer` in each
+case: a CUDA-graph wrapper planned once outside the graph, `run` inside, as the flashinfer MLA backend captures
+it), so small-batch ratios need no event-timed baseline. Usage (GPU):
 
     PYTHONPATH=src python3 benchmarks/sweep_mla_small_batch.py --out $OUT/mla_small_batch.json \
         --sweep min_chunk=16,32,64 block_n=16,32 num_stages=1,2 num_warps=2,4
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -34,8 +37,30 @@ from sglx.bench.timing import checked_us_in_graph
 R, DR = 512, 64
 
 
+def flashinfer_call(q: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, context: int, scale: float) -> Callable[[int], torch.Tensor]:
+    """call(layer): FlashInfer's BatchMLAPagedAttentionWrapper on layer `layer`'s latents (page size 1: a slot is a
+    page), with the fixed index buffers a CUDA-graph wrapper needs, planned here, outside any graph."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    batch, heads, device = q.shape[0], q.shape[1], q.device
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    wrapper = BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, qo_indptr=qo_indptr.clone(),
+                                            kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(),
+                                            kv_len_arr=kv_lens.clone())
+    wrapper.plan(qo_indptr.cpu(), kv_indptr.cpu(), kv_indices, kv_lens.cpu(), heads, R, DR, 1, False, scale, q.dtype,
+                 kv.dtype)
+    q_nope, q_rope = q.contiguous(), q_pe.contiguous()
+
+    def call(layer: int) -> torch.Tensor:
+        return wrapper.run(q_nope, q_rope, kv[layer][..., :R], kv[layer][..., R:])
+    return call
+
+
 def run_case(batch: int, heads: int, context: int, layers: int, configs: list[MLADecodeConfig],
-             device: torch.device) -> dict:
+             device: torch.device, flashinfer: bool = True) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
     slots = batch * context + 1
@@ -66,13 +91,21 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
         rows.append(row)
     timed = sorted((r for r in rows if "us_per_call" in r), key=lambda r: r["us_per_call"])
     default = next((r for r in rows if r["default"]), {})
+    fi: dict = {}
+    if flashinfer:
+        try:
+            fi = checked_us_in_graph(flashinfer_call(q, q_pe, kv, kv_indptr, kv_indices, context, scale), layers, want,
+                                     3e-2, device)
+        except Exception as exc:  # noqa: BLE001 - a baseline that does not import or plan is reported, not fatal
+            fi = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    fi_text = f"{fi['us_per_call']:.2f} us" if "us_per_call" in fi else fi.get("error", "not run")
     print(f"batch {batch} heads {heads} context {context}: default {default.get('us_per_call', float('nan')):.2f} us "
-          f"a call, splits {default.get('splits')}", flush=True)
+          f"a call, splits {default.get('splits')}; FlashInfer {fi_text}", flush=True)
     for r in timed[:6]:
         c = r["config"]
         print(f"  {r['us_per_call']:.2f} us  block_h {c['block_h']} block_n {c['block_n']} warps {c['num_warps']} "
               f"stages {c['num_stages']} split chunk {r['chunk']} splits {r['splits']}", flush=True)
-    return dict(batch=batch, heads=heads, context=context, layers=layers, rows=rows)
+    return dict(batch=batch, heads=heads, context=context, layers=layers, rows=rows, flashinfer=fi)
 
 
 def main() -> None:
@@ -82,6 +115,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="544,2048")
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--sweep", nargs="*", default=[])
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's MLA row")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs = [MLADecodeConfig()]
@@ -95,7 +129,8 @@ def main() -> None:
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), cases=[])
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            report["cases"].append(run_case(batch, args.heads, context, args.layers, configs, device))
+            report["cases"].append(run_case(batch, args.heads, context, args.layers, configs, device,
+                                            not args.no_flashinfer))
             if args.out:
                 args.out.write_text(json.dumps(report, indent=1))
 
