@@ -3,7 +3,8 @@
 Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/sweep_fp8_decode.py --output sweep.json
 Each variant is checked against SDPA on the dequantized cache before it is timed (do_bench median,
 L2 flushed). Variants: BLOCK_N (wider tiles move as many bytes per iteration as bf16 does),
-num_warps, num_stages and the number of KV splits.
+num_warps, num_stages and the number of KV splits; or, with `--converts ptx_v,ptx_kv,cast`, the default launch with
+each fp8 conversion (DecodeConfig.fp8_convert) at the automatic split count, in two rounds (alternated).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ VARIANTS = [(None, None, None), (128, 4, 3), (64, 4, 4), (64, 8, 3)]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="sweep_fp8_decode.json")
+    ap.add_argument("--converts", default="", help="comma-separated fp8_convert values to time instead of VARIANTS")
     args = ap.parse_args()
+    converts = [c for c in args.converts.split(",") if c]
     torch.manual_seed(0)
     k = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
     v = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
@@ -55,10 +58,12 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 ref = sdpa_decode(q, cache(k_buf), cache(v_buf))
             kv_bytes = 2 * BS * HKV * CTX * DIM * (1 if fp8 is not None else 2)
-            variants = VARIANTS if fp8 is not None else VARIANTS[:1]
-            for bn, nw, st in variants:
-                for splits in ((auto, 2 * auto) if fp8 is not None else (auto,)):
-                    cfg = DecodeConfig(block_n=bn, num_warps=nw, num_stages=st)
+            variants = [(None, None, None, c) for c in converts * 2] if converts else \
+                [(bn, nw, st, None) for bn, nw, st in VARIANTS]
+            for bn, nw, st, convert in (variants if fp8 is not None else variants[:1]):
+                for splits in ((auto, 2 * auto) if fp8 is not None and not converts else (auto,)):
+                    cfg = DecodeConfig(block_n=bn, num_warps=nw, num_stages=st,
+                                       fp8_convert=convert if fp8 is not None else None)
                     out = torch.empty(BS, HQ, DIM, device=DEV, dtype=DTYPE)
                     mid_o = torch.empty(BS, HQ, splits, DIM, device=DEV)
                     mid_lse = torch.empty(BS, HQ, splits, device=DEV)
@@ -68,7 +73,7 @@ def main() -> None:
                         decode_attention(q, k_buf, v_buf, out, kv_indptr, kv_indices, mid_o, mid_lse, DIM ** -0.5,
                                          fp8_dtype=fp8, config=cfg)
                     row = dict(page=page, kv="fp8_e4m3" if fp8 is not None else "bf16", block_n=bn, num_warps=nw,
-                               num_stages=st, splits=splits)
+                               num_stages=st, splits=splits, fp8_convert=cfg.fp8_convert)
                     try:
                         run()
                         row["max_abs_err"] = (out.float() - ref.float()).abs().max().item()
@@ -86,10 +91,11 @@ def main() -> None:
             if r["page"] == page and "ms" in r:
                 r["over_bf16_default"] = r["ms"] / bf16
     Path(args.output).write_text(json.dumps(results, indent=1))
-    print("page kv block_n warps stages splits ms TB/s /bf16 err")
+    print("page kv block_n warps stages splits convert ms TB/s /bf16 err")
     for r in results["rows"]:
         if "ms" in r:
-            print(r["page"], r["kv"], r["block_n"], r["num_warps"], r["num_stages"], r["splits"], f"{r['ms']:.4f}",
+            print(r["page"], r["kv"], r["block_n"], r["num_warps"], r["num_stages"], r["splits"], r["fp8_convert"],
+                  f"{r['ms']:.4f}",
                   f"{r['tb_per_s']:.2f}", f"{r['over_bf16_default']:.3f}", f"{r['max_abs_err']:.1e}")
 
 
