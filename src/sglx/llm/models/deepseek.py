@@ -27,6 +27,7 @@ from sglx.llm.layers.linear import Linear, linear
 from sglx.llm.layers.moe import DeepseekMoE, experts_graph_safe
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.llm.model_config import ModelConfig
+from sglx.llm.models.decoder import DecoderBody, logit_hidden, no_logits
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -171,7 +172,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderBody):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         assert config.mla is not None
@@ -180,16 +181,6 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch)
-        if residual is None:
-            return self.norm(x)
-        return self.norm.add_and_norm(x, residual)[0]
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -221,11 +212,9 @@ class DeepseekV2ForCausalLM(nn.Module):
                 "sync-free grouped GEMM needs bfloat16 on an SM90+ GPU)")
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if batch.num_tokens == 0:
-            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=batch.input_ids.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        if not batch.return_all_logits and not batch.mode.is_decode:
-            hidden = hidden[batch.last_token_indices()]
+        hidden = logit_hidden(self.model, batch)
+        if hidden is None:
+            return no_logits(self.config.vocab_size, batch)
         return linear(hidden, self.lm_head_weight).float()
 
     # ---------------------------------------------------------------- weights

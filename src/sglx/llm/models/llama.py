@@ -28,6 +28,7 @@ from sglx.llm.layers.parallel import (
     lm_logits,
 )
 from sglx.llm.model_config import ModelConfig
+from sglx.llm.models.decoder import DecoderBody, logit_hidden, no_logits
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _STACKED = {
@@ -108,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderBody):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, current_tp())
@@ -116,16 +117,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch)
-        if residual is None:  # no layers
-            return self.norm(x)
-        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,11 +137,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if batch.num_tokens == 0:  # IDLE step: nothing to compute
-            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=batch.input_ids.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        if not batch.return_all_logits and not batch.mode.is_decode:  # decode: one token per request already
-            hidden = hidden[batch.last_token_indices()]
+        hidden = logit_hidden(self.model, batch)
+        if hidden is None:
+            return no_logits(self.config.vocab_size, batch)
         return lm_logits(hidden, self.lm_head_weight, self.tp, self.config.vocab_size).float()
 
     # ---------------------------------------------------------------- weights
