@@ -39,6 +39,10 @@ CONFIGS = [(None, None, None, None, None, False), (128, 128, 8, 2, True, False),
 # (FlashAttention-4's exp2 emulation): 8-11% slower on every shape, removed.
 SCHEDULE = [{"section": 0}, {"section": 4}, {"section": 8}, {"section": 0}, {"section": 4}, {"section": 8},
             {"section": 0}, {"section": 4}]
+# --prefetch: the default launch against slot ids a tile ahead forced on, alternated (ExtendConfig.prefetch_slots;
+# the default turns it on only where most keys come from the pool: forced on for causal prefill it spilled and was
+# 2-5% slower in session 19, before the pool tiles loaded K as rows with int32 offsets, which left no spills)
+PREFETCH = [{}, {"prefetch_slots": True}, {}, {"prefetch_slots": True}]
 SHAPES = [  # (name, batch, prefix, new, q heads, kv heads, configs: all or the first n)
     ("causal_4096_mha", 4, 0, 4096, 32, 32, None),
     ("causal_4096_gqa8", 4, 0, 4096, 32, 8, None),
@@ -107,6 +111,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--schedule", action="store_true",
                     help="time SCHEDULE (head sections) on SCHEDULE_SHAPES instead of CONFIGS on SHAPES")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="time PREFETCH (slot ids a tile ahead forced on) on SHAPES instead of CONFIGS")
     ap.add_argument("--defaults", action="store_true",
                     help="time only the default launch, on every shape of SHAPES and SCHEDULE_SHAPES (A/B of two trees "
                          "through PYTHONPATH, alternated by the caller)")
@@ -131,7 +137,7 @@ def main() -> None:
         entry = {"shape": name, "batch": b, "prefix": p, "new": n, "q_heads": hq, "kv_heads": hkv, "head_dim": 128,
                  "cudnn_ms": cudnn_ms, "cudnn_tflops": tf / cudnn_ms / 1e9, "configs": []}
         print(f"{name}: cuDNN {cudnn_ms:.4f} ms {tf / cudnn_ms / 1e9:.0f} TFLOP/s", flush=True)
-        for cfg in (SCHEDULE if args.schedule else CONFIGS)[:first]:
+        for cfg in (SCHEDULE if args.schedule else PREFETCH if args.prefetch else CONFIGS)[:first]:
             if time.time() - t0 > args.budget_s:
                 entry["configs"].append({"config": cfg, "skipped": "budget"})
                 continue

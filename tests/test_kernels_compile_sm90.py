@@ -134,7 +134,7 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
-def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True) -> tuple:
+def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True, slot64: bool = False) -> tuple:
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
     block_n = 128 if tma else 64
@@ -143,7 +143,7 @@ def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = Tru
             "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
                   BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=0, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
-                  PREFETCH=prefetch)
+                  PREFETCH=prefetch, SLOT64=slot64)
     div16 = [n for n in _extend_kernel.arg_names if n.startswith("stride_")]  # as a real launch's strides: else
     # the tiles load one element at a time and are never pipelined
     return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16), 8, 3
@@ -199,6 +199,7 @@ VARIANTS = {
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
     "extend, pool only, slot ids loaded in the loop": lambda: _extend(False, prefetch=False),
+    "extend, pool only, 64-bit slot offsets": lambda: _extend(False, slot64=True),
     "extend, TMA rows": lambda: _extend(True, tma=True),
     "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),

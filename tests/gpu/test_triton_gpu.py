@@ -142,6 +142,45 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
             row += n
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_extend_gathers_past_2_31_pool_elements(prefetch):
+    """A pool whose element offsets pass int32 (4.3 GB a buffer) makes the kernel compute slot offsets in 64 bits:
+    slots on both sides of the 2**31 boundary, prefix tiles (masked and unmasked pool loops) and this step's."""
+    from sglx.attention.kernels.common import offsets_fit_int32
+    from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
+    from sglx.attention.kernels.kv_indices import build_kv_indptr
+    from triton_interpreted.paged import reference_attention
+
+    hq, hkv, dim = 4, 2, 128
+    boundary = 2**31 // (hkv * dim)  # first row whose offset needs 64 bits
+    k_pool = torch.zeros(boundary + 4096, hkv, dim, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    assert not offsets_fit_int32(k_pool, v_pool) and offsets_fit_int32(k_pool[:boundary], v_pool[:boundary])
+    prefix, new = [2000, 130], [300, 77]
+    lens = [p + n for p, n in zip(prefix, new)]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    slots = k_pool.shape[0] - 1 - torch.randperm(8192, generator=gen, device=DEV)[:sum(lens)]
+    assert (slots >= boundary).any() and (slots < boundary).any()
+    keys = torch.randn(sum(lens), hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    values = torch.randn(sum(lens), hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k_pool[slots], v_pool[slots] = keys, values
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
+    qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32, device=DEV))
+    q = torch.randn(sum(new), hq, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    extend_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, slots.int(), max(new), dim ** -0.5,
+                     prefix_tokens=sum(prefix), config=ExtendConfig(prefetch_slots=prefetch))
+    torch.cuda.synchronize()
+    row = 0
+    for i, (p, n) in enumerate(zip(prefix, new)):
+        k0 = int(kv_indptr[i])
+        ref = reference_attention(q[row:row + n], keys[k0:k0 + p + n], values[k0:k0 + p + n], torch.arange(p, p + n),
+                                  dim ** -0.5)
+        err = (out[row:row + n].double() - ref).abs().max().item()
+        assert err <= TOL[torch.bfloat16], (i, err)
+        row += n
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_store_kv_fp8_agrees_with_the_pool_on_gpu(kv_cache_dtype):
     from sglx.attention.kernels.store_kv import store_kv

@@ -40,6 +40,14 @@ def has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
+    """Whether every element offset of these tensors (from their shapes and strides) fits a signed 32-bit integer.
+
+    Kernels that gather pool rows by slot id compute `slot * stride` in int32 when it does: 64-bit address arithmetic
+    for every gathered row was a quarter of the extend kernel's pool loop (SASS, session 20)."""
+    return all(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0) < 2**31 for t in tensors)
+
+
 def tma_rows_ok(x: torch.Tensor) -> bool:
     """x [R, H, D] can be read as [R, H * D] rows by a TMA descriptor with [rows, D] boxes: D a power of two up to
     256 (a box's limit), heads packed, unit last stride, a 16-byte aligned base and row stride, at least one row."""

@@ -23,6 +23,7 @@ from sglx.attention.kernels.common import (
     fp8_bits_to_value,
     has_tma,
     kv_format,
+    offsets_fit_int32,
     online_softmax_step,
     padded_dim,
     tma_rows_descriptor,
@@ -62,6 +63,16 @@ class ExtendConfig:
 
 
 @triton.jit
+def _slot_offsets(slots, SLOT64: tl.constexpr):
+    """Slot ids as the integer type of their row offsets: int32 unless the pool's offsets need 64 bits."""
+    if SLOT64:  # noqa: SIM108 - constexpr branch, resolved at compile time
+        offsets = slots.to(tl.int64)
+    else:
+        offsets = slots
+    return offsets
+
+
+@triton.jit
 def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -69,14 +80,16 @@ def _extend_tiles(
     K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
     FROM_EXT reads the keys from this step's contiguous K/V rows (ext_row0 + key position) instead of
     gathering pool slots: no index load sits in front of the tile loads, so they pipeline freely. With TMA
     (FROM_EXT only) K_Ext/V_Ext are [T, Hkv * D] descriptors: rows past the tensor read as zeros, rows of the
-    next request are finite and hidden by the causal/length mask of the MASKED tiles.
+    next request are finite and hidden by the causal/length mask of the MASKED tiles. Pool tiles load K as
+    [keys, D] rows like V and transpose in shared memory, so both gathers use one layout of the slot ids (two
+    replicated layouts cost 8 id loads and 12 spill instructions a tile); SLOT64: the pool's offsets need 64 bits.
     """
     if PREFETCH and not FROM_EXT and not MASKED:  # slot ids a tile ahead, in registers (ExtendConfig.prefetch_slots)
         ahead = lo + tl.arange(0, BLOCK_N)
@@ -95,20 +108,20 @@ def _extend_tiles(
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         elif MASKED:
             n_mask = offs_n < kv_len
-            slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            slots = _slot_offsets(tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0), SLOT64)
+            k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                                 mask=n_mask[:, None] & d_mask[None, :], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         else:
             if PREFETCH:
-                slots = next_slots.to(tl.int64)
+                slots = _slot_offsets(next_slots, SLOT64)
                 ahead = offs_n + BLOCK_N
                 next_slots = tl.load(Kv_Indices + kv_start + ahead, mask=(ahead < hi) & (ahead < kv_len), other=0)
             else:
-                slots = tl.load(Kv_Indices + kv_start + offs_n).to(tl.int64)
-            k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=d_mask[:, None], other=0.0)
+                slots = _slot_offsets(tl.load(Kv_Indices + kv_start + offs_n), SLOT64)
+            k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                                 mask=d_mask[None, :], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=dv_mask[None, :], other=0.0)
         k = fp8_bits_to_value(k, FMT).to(q.dtype)
@@ -139,7 +152,7 @@ def _extend_kernel(
     WS: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr,
+    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
 ):
     if SECTION > 0:  # one axis: SECTION (request, head) pairs at a time, heaviest query blocks first across them
         pid = tl.program_id(0)
@@ -200,21 +213,21 @@ def _extend_kernel(
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH)
+                                          PREFETCH, SLOT64)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH)
+                                          PREFETCH, SLOT64)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -323,6 +336,7 @@ def extend_attention(
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=kv_format(fp8_dtype), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, PREFETCH=prefetch,
+        SLOT64=not offsets_fit_int32(k_buffer, v_buffer),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
