@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Session 20 device stages (one `run` call for one or more: `bash benchmarks/run_session20_gpu.sh tests prefill`).
 # Needs the FlashInfer wheels in /tmp/site (DEVICE.md) and, for the A/B stages, the previous tree in .old_src/src.
-#   tests    GPU tests of the extend kernel (both program orders, slot ids ahead or not, a pool past 2**31 elements)
+#   tests    GPU tests of the extend and decode kernels (every launch variant, a pool past 2**31 elements)
 #   prefetch the extend kernel with slot ids a tile ahead forced on against its default, cuDNN in the same run
 #            (sweep_extend_prefill.py --prefetch): whether causal prefill can now take them too
 #   prefill  `sglx bench attention --phase prefill --backend triton` (cuDNN and FlashInfer in the same run), bf16 and
-#            fp8_e4m3 pools, .old_src and this tree alternated in fresh processes (REPS rounds, default 2)
+#   decode   fp8_e4m3 pools, .old_src and this tree alternated in fresh processes (REPS rounds, default 2)
 # Every JSON report lands in $OUT/s20.tgz (one file: the device returns only a few files a call).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,15 +16,15 @@ for stage in "$@"; do
   echo "=== $stage"
   case $stage in
     tests) PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider \
-             -k "extend" tests/gpu/test_triton_gpu.py tests/gpu/test_fp8_kv_gpu.py ${TEST_EXTRA:-} 2>&1 | tail -8 ;;
-    prefill)
+             -k "extend or decode or past_2_31" -n 4 -p xdist tests/gpu/test_triton_gpu.py tests/gpu/test_fp8_kv_gpu.py ${TEST_EXTRA:-} 2>&1 | tail -8 ;;
+    prefill|decode)
       for rep in $(seq 1 "${REPS:-2}"); do
         for tree in old new; do
           src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old_src/src
           for kv in auto fp8_e4m3; do
             echo "--- round $rep $tree $kv"
-            PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench attention --phase prefill --backend triton \
-              --kv-cache-dtype "$kv" --output "$WORK/prefill_${kv}_${tree}_r${rep}.json" 2>&1 \
+            PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench attention --phase "$stage" --backend triton \
+              --kv-cache-dtype "$kv" --output "$WORK/${stage}_${kv}_${tree}_r${rep}.json" 2>&1 \
               | grep -E "triton|cudnn|flashinfer|sdpa" | cut -c1-150
           done
         done

@@ -58,7 +58,7 @@ MLA = {
 def decode_source(over: dict) -> ASTSource:
     consts = dict(MERGE_HERE=False, BLOCK_S=2, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
                   BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1, SOFTCAP=False, IEEE=False, CVT=1, SLOT_SCALES=False,
-                  SCALE_FOLD=0, PREFETCH=False) | over
+                  SCALE_FOLD=0, PREFETCH=False, SLOT64=False) | over
     ptrs = {"Q": "*bf16", "K_Buf": "*u8", "V_Buf": "*u8", "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
             "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16", "Semaphores": "*i32", "K_Scale": "*fp32",
             "V_Scale": "*fp32"}

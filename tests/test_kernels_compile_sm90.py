@@ -130,7 +130,8 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
             "Mid_Lse": "*fp32", "Out": BF16, "Semaphores": "*i32", "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(MERGE_HERE=merge_here, BLOCK_S=64, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
                   BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1 if fp8 else 0, SOFTCAP=False, IEEE=False,
-                  CVT=1 if fp8 else 0, SLOT_SCALES=slot_scales, SCALE_FOLD=fold, PREFETCH=prefetch)
+                  CVT=1 if fp8 else 0, SLOT_SCALES=slot_scales, SCALE_FOLD=fold, PREFETCH=prefetch,
+                  SLOT64=False)
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 

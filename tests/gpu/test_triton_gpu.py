@@ -142,28 +142,64 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
             row += n
 
 
+def _pool_past_2_31(hkv: int, dim: int, tokens: int, gen: torch.Generator):
+    """K/V pools whose element offsets pass int32 (4.3 GB a buffer), `tokens` random keys/values stored on slots on
+    both sides of the 2**31 boundary: (k_pool, v_pool, slots, keys, values)."""
+    from sglx.attention.kernels.common import offsets_fit_int32
+
+    boundary = 2**31 // (hkv * dim)  # first row whose offset needs 64 bits
+    k_pool = torch.zeros(boundary + 4096, hkv, dim, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    assert not offsets_fit_int32(k_pool, v_pool) and offsets_fit_int32(k_pool[:boundary], v_pool[:boundary])
+    slots = k_pool.shape[0] - 1 - torch.randperm(8192, generator=gen, device=DEV)[:tokens]
+    assert (slots >= boundary).any() and (slots < boundary).any()
+    keys = torch.randn(tokens, hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    values = torch.randn(tokens, hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k_pool[slots], v_pool[slots] = keys, values
+    return k_pool, v_pool, slots, keys, values
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_gathers_past_2_31_pool_elements(prefetch):
+    """Decode over a pool whose offsets need 64 bits (SLOT64), split and unsplit."""
+    from sglx.attention.kernels.decode_attention import DecodeConfig, decode_attention
+    from sglx.attention.kernels.kv_indices import build_kv_indptr
+    from triton_interpreted.paged import reference_attention
+
+    hq, hkv, dim = 8, 2, 128
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    lens = [3000, 1, 700]
+    k_pool, v_pool, slots, keys, values = _pool_past_2_31(hkv, dim, sum(lens), gen)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
+    q = torch.randn(len(lens), hq, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
+    for splits in (1, 8):
+        out = torch.full_like(q, float("nan"))
+        mid_o = torch.empty(len(lens), hq, splits, dim, device=DEV)
+        mid_lse = torch.empty(len(lens), hq, splits, device=DEV)
+        decode_attention(q, k_pool, v_pool, out, kv_indptr, slots.int(), mid_o, mid_lse, dim ** -0.5,
+                         config=DecodeConfig(prefetch_slots=prefetch))
+        torch.cuda.synchronize()
+        for i, n in enumerate(lens):
+            k0 = int(kv_indptr[i])
+            ref = reference_attention(q[i:i + 1], keys[k0:k0 + n], values[k0:k0 + n], torch.tensor([n - 1]),
+                                      dim ** -0.5)
+            err = (out[i:i + 1].double() - ref).abs().max().item()
+            assert err <= TOL[torch.bfloat16], (splits, i, err)
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_extend_gathers_past_2_31_pool_elements(prefetch):
-    """A pool whose element offsets pass int32 (4.3 GB a buffer) makes the kernel compute slot offsets in 64 bits:
-    slots on both sides of the 2**31 boundary, prefix tiles (masked and unmasked pool loops) and this step's."""
-    from sglx.attention.kernels.common import offsets_fit_int32
+    """Extend over a pool whose offsets need 64 bits (SLOT64): prefix tiles (masked and unmasked pool loops) and
+    this step's."""
     from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
     from sglx.attention.kernels.kv_indices import build_kv_indptr
     from triton_interpreted.paged import reference_attention
 
     hq, hkv, dim = 4, 2, 128
-    boundary = 2**31 // (hkv * dim)  # first row whose offset needs 64 bits
-    k_pool = torch.zeros(boundary + 4096, hkv, dim, device=DEV, dtype=torch.bfloat16)
-    v_pool = torch.zeros_like(k_pool)
-    assert not offsets_fit_int32(k_pool, v_pool) and offsets_fit_int32(k_pool[:boundary], v_pool[:boundary])
     prefix, new = [2000, 130], [300, 77]
     lens = [p + n for p, n in zip(prefix, new)]
     gen = torch.Generator(device=DEV).manual_seed(0)
-    slots = k_pool.shape[0] - 1 - torch.randperm(8192, generator=gen, device=DEV)[:sum(lens)]
-    assert (slots >= boundary).any() and (slots < boundary).any()
-    keys = torch.randn(sum(lens), hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
-    values = torch.randn(sum(lens), hkv, dim, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k_pool[slots], v_pool[slots] = keys, values
+    k_pool, v_pool, slots, keys, values = _pool_past_2_31(hkv, dim, sum(lens), gen)
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))
     qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32, device=DEV))
     q = torch.randn(sum(new), hq, dim, device=DEV, dtype=torch.bfloat16, generator=gen)

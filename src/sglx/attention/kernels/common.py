@@ -77,6 +77,16 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def slot_offsets(slots, SLOT64: tl.constexpr):
+    """Slot ids as the integer type of their row offsets: int32 unless the pool's offsets need 64 bits."""
+    if SLOT64:  # noqa: SIM108 - constexpr branch, resolved at compile time
+        offsets = slots.to(tl.int64)
+    else:
+        offsets = slots
+    return offsets
+
+
+@triton.jit
 def fp8_bits_to_value(x, FMT: tl.constexpr):
     """uint8 bits of fp8 -> the fp8 tensor (caller casts to its compute dtype); native data passes through."""
     if FMT == 1:

@@ -28,9 +28,11 @@ from sglx.attention.kernels.common import (
     has_tma,
     kv_format,
     kv_tile_to_compute,
+    offsets_fit_int32,
     online_softmax_step,
     padded_dim,
     scaled_softmax_step,
+    slot_offsets,
     tma_rows_descriptor,
     tma_rows_ok,
 )
@@ -144,10 +146,11 @@ def _merge_if_last(o_row, lse_row, out_ptr, semaphore, n_active, head_mask, hd_m
 
 
 @triton.jit
-def _tile_slots(Indices, offs, hi, K_Scale, V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES: tl.constexpr):
+def _tile_slots(Indices, offs, hi, K_Scale, V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES: tl.constexpr,
+                SLOT64: tl.constexpr):
     """(slot ids, K scales, V scales) of the keys `offs` (past `hi`: slot 0); without per-slot scales the scales are
     the ids again (unused). Masked keys read slot 0's scales: whatever they hold, unused."""
-    slots = tl.load(Indices + offs, mask=offs < hi, other=0).to(tl.int64)
+    slots = slot_offsets(tl.load(Indices + offs, mask=offs < hi, other=0), SLOT64)
     k_s = slots
     v_s = slots
     if SLOT_SCALES:
@@ -166,7 +169,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, CVT: tl.constexpr, SLOT_SCALES: tl.constexpr,
-    SCALE_FOLD: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE_FOLD: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
 ):
     kv_head = tl.program_id(0) // HEAD_BLOCKS  # heads vary fastest: neighbours read the same tokens' rows
     head_block = tl.program_id(0) % HEAD_BLOCKS
@@ -194,24 +197,27 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         if PREFETCH:  # slot ids (and per-slot scales) one tile ahead: no gather waits on a load of its addresses
             next_slots, next_k_s, next_v_s = _tile_slots(Kv_Indices + kv_start, lo + tl.arange(0, BLOCK_N), hi, K_Scale,
-                                                         V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES)
+                                                         V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES, SLOT64)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
             if TMA:  # the tile is BLOCK_N consecutive slots of one page: one box each for K and V
                 first = tl.load(Kv_Indices + kv_start + start)
-                slots = first.to(tl.int64) + tl.arange(0, BLOCK_N)  # past hi: the same page's later slots
-                k = tl.trans(K_Buf.load([first, kv_head * D]))
+                slots = slot_offsets(first, SLOT64) + tl.arange(0, BLOCK_N)  # past hi: the same page's later slots
+                k = K_Buf.load([first, kv_head * D])
             else:
                 if PREFETCH:
                     slots, k_s, v_s = next_slots, next_k_s, next_v_s
                     next_slots, next_k_s, next_v_s = _tile_slots(Kv_Indices + kv_start, offs_n + BLOCK_N, hi, K_Scale,
-                                                                 V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES)
+                                                                 V_Scale, stride_ks, stride_vs, kv_head, SLOT_SCALES,
+                                                                 SLOT64)
                 else:
-                    slots = tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(K_Buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                            mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-            k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
+                    slots = slot_offsets(tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0), SLOT64)
+                # K as [keys, D] rows like V: one layout of the slot ids for both gathers (SASS: 577 -> 532
+                # instructions a tile for fp8 KV with one scale a layer, with int32 offsets)
+                k = tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            k = tl.trans(kv_tile_to_compute(k, FMT, CVT == 2, q.dtype))
             qk = dot(q, k, IEEE)
             if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
                 if not PREFETCH:  # masked keys read slot 0's scales: whatever they hold, unused
@@ -415,7 +421,8 @@ def decode_attention(
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
         CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
         SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0,
-        PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, wide, interpret), num_warps=num_warps,
+        PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, wide, interpret),
+        SLOT64=not offsets_fit_int32(k_buffer, v_buffer), num_warps=num_warps,
         num_stages=num_stages,
     )
     if merge_here:

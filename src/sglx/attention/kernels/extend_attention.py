@@ -26,6 +26,7 @@ from sglx.attention.kernels.common import (
     offsets_fit_int32,
     online_softmax_step,
     padded_dim,
+    slot_offsets,
     tma_rows_descriptor,
     tma_rows_ok,
 )
@@ -60,16 +61,6 @@ class ExtendConfig:
     # on for bf16 causal 4096 with no prefix it was 2-5% slower (1.249 / 1.221 -> 1.279 / 1.283 ms; ptxas spills
     # next to the hot TMA loops), so there it stays off
     prefetch_slots: bool | None = None
-
-
-@triton.jit
-def _slot_offsets(slots, SLOT64: tl.constexpr):
-    """Slot ids as the integer type of their row offsets: int32 unless the pool's offsets need 64 bits."""
-    if SLOT64:  # noqa: SIM108 - constexpr branch, resolved at compile time
-        offsets = slots.to(tl.int64)
-    else:
-        offsets = slots
-    return offsets
 
 
 @triton.jit
@@ -108,18 +99,18 @@ def _extend_tiles(
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         elif MASKED:
             n_mask = offs_n < kv_len
-            slots = _slot_offsets(tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0), SLOT64)
+            slots = slot_offsets(tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0), SLOT64)
             k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                                  mask=n_mask[:, None] & d_mask[None, :], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         else:
             if PREFETCH:
-                slots = _slot_offsets(next_slots, SLOT64)
+                slots = slot_offsets(next_slots, SLOT64)
                 ahead = offs_n + BLOCK_N
                 next_slots = tl.load(Kv_Indices + kv_start + ahead, mask=(ahead < hi) & (ahead < kv_len), other=0)
             else:
-                slots = _slot_offsets(tl.load(Kv_Indices + kv_start + offs_n), SLOT64)
+                slots = slot_offsets(tl.load(Kv_Indices + kv_start + offs_n), SLOT64)
             k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                                  mask=d_mask[None, :], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
