@@ -4,6 +4,8 @@
 #   tests    GPU tests of the extend and decode kernels (every launch variant, a pool past 2**31 elements)
 #   prefetch the extend kernel with slot ids a tile ahead forced on against its default, cuDNN in the same run
 #            (sweep_extend_prefill.py --prefetch): whether causal prefill can now take them too
+#   mla      small-batch MLA decode against FlashInfer, both graph-timed (sweep_mla_small_batch.py): 128 heads ctx
+#            4096 (DeepSeek-V3's attention) and 16 heads ctx 544/2048 (V2-Lite), batches 1-32
 #   prefill  `sglx bench attention --phase prefill --backend triton` (cuDNN and FlashInfer in the same run), bf16 and
 #   decode   fp8_e4m3 pools, .old_src and this tree alternated in fresh processes (REPS rounds, default 2)
 # Every JSON report lands in $OUT/s20.tgz (one file: the device returns only a few files a call).
@@ -31,6 +33,10 @@ for stage in "$@"; do
       done ;;
     prefetch) PYTHONPATH=$PWD/src timeout 400 python3 benchmarks/sweep_extend_prefill.py --prefetch --budget-s 330 \
                 --out "$WORK/sweep_extend_prefetch.json" 2>&1 | grep -v Warning | tail -20 ;;
+    mla) PYTHONPATH=$PWD/src:$SITE timeout 250 python3 benchmarks/sweep_mla_small_batch.py --heads 128 \
+           --contexts 4096 --batches 1,4,16,32 --layers 8 --out "$WORK/mla_small_batch_h128.json" 2>&1 | grep -v Warn
+         PYTHONPATH=$PWD/src:$SITE timeout 150 python3 benchmarks/sweep_mla_small_batch.py --heads 16 \
+           --out "$WORK/mla_small_batch_h16.json" 2>&1 | grep -v Warn ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
