@@ -6,6 +6,9 @@
 #            (sweep_extend_prefill.py --prefetch): whether causal prefill can now take them too
 #   mla      small-batch MLA decode against FlashInfer, both graph-timed (sweep_mla_small_batch.py): 128 heads ctx
 #            4096 (DeepSeek-V3's attention) and 16 heads ctx 544/2048 (V2-Lite), batches 1-32
+#   fp8cvt   fp8 decode with each fp8 conversion (ptx_v the default, ptx_kv, cast), pages 1 and 16, bf16 alongside
+#            (sweep_fp8_decode.py --converts): with K gathered as rows, ptx_kv's loop is 381-415 instructions to
+#            ptx_v's 512 (SASS, CPU compile)
 #   prefill  `sglx bench attention --phase prefill --backend triton` (cuDNN and FlashInfer in the same run), bf16 and
 #   decode   fp8_e4m3 pools, .old_src and this tree alternated in fresh processes (REPS rounds, default 2)
 # Every JSON report lands in $OUT/s20.tgz (one file: the device returns only a few files a call).
@@ -37,6 +40,8 @@ for stage in "$@"; do
            --contexts 4096 --batches 1,4,16,32 --layers 8 --out "$WORK/mla_small_batch_h128.json" 2>&1 | grep -v Warn
          PYTHONPATH=$PWD/src:$SITE timeout 150 python3 benchmarks/sweep_mla_small_batch.py --heads 16 \
            --out "$WORK/mla_small_batch_h16.json" 2>&1 | grep -v Warn ;;
+    fp8cvt) PYTHONPATH=$PWD/src timeout 300 python3 benchmarks/sweep_fp8_decode.py --converts ptx_v,ptx_kv,cast \
+              --output "$WORK/sweep_fp8_converts.json" 2>&1 | grep -v Warn | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
