@@ -122,16 +122,16 @@ def _mla_stage1_seesaw(single: bool) -> tuple:
 
 
 def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: bool = False,
-                   fold: int = 1) -> tuple:
+                   fold: int = 1, tma: bool = False, cvt: int | None = None) -> tuple:
     from sglx.attention.kernels.decode_attention import _decode_stage1
 
-    kv = "*u8" if fp8 else BF16
+    kv = f"tensordesc<{'u8' if fp8 else 'bf16'}[64, 128]>" if tma else "*u8" if fp8 else BF16
     ptrs = {"Q": BF16, "K_Buf": kv, "V_Buf": kv, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
             "Mid_Lse": "*fp32", "Out": BF16, "Semaphores": "*i32", "K_Scale": "*fp32", "V_Scale": "*fp32"}
-    consts = dict(MERGE_HERE=merge_here, BLOCK_S=64, TMA=False, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
+    consts = dict(MERGE_HERE=merge_here, BLOCK_S=64, TMA=tma, GROUP=4, BLOCK_H=16, HEAD_BLOCKS=1, D=128, DV=128,
                   BLOCK_D=128, BLOCK_DV=128, BLOCK_N=64, FMT=1 if fp8 else 0, SOFTCAP=False, IEEE=False,
-                  CVT=1 if fp8 else 0, SLOT_SCALES=slot_scales, SCALE_FOLD=fold, PREFETCH=prefetch,
-                  SLOT64=False)
+                  CVT=(1 if fp8 else 0) if cvt is None else cvt, SLOT_SCALES=slot_scales, SCALE_FOLD=fold,
+                  PREFETCH=prefetch, SLOT64=False)
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
@@ -197,6 +197,11 @@ VARIANTS = {
     "decode stage 1, fp8 one scale a layer, slots a tile ahead": lambda: _decode_stage1(False, True, False, True),
     "decode stage 1, fp8 per-token scales a tile ahead": lambda: _decode_stage1(False, True, True, True),
     "decode stage 1, fp8 per-token tile_max scales a tile ahead": lambda: _decode_stage1(False, True, True, True, 0),
+    "decode stage 1, bf16 tiles by TMA": lambda: _decode_stage1(False, False, False, tma=True),
+    "decode stage 1, fp8 tiles by TMA, K and V converted in PTX": lambda: _decode_stage1(False, True, False, tma=True,
+                                                                                          cvt=2),
+    "decode stage 1, fp8 K and V converted in PTX, slots a tile ahead": lambda: _decode_stage1(False, True, False, True,
+                                                                                                cvt=2),
     "extend, this step's rows": lambda: _extend(True),
     "extend, pool only": lambda: _extend(False),
     "extend, pool only, slot ids loaded in the loop": lambda: _extend(False, prefetch=False),
