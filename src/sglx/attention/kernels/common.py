@@ -242,6 +242,20 @@ def online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASK: tl.con
 
 
 @triton.jit
+def pv_step(acc, alpha, p, v, v_scale_n, SCALED: tl.constexpr, IEEE: tl.constexpr):
+    """acc * alpha + p V. SCALED: per-key V scales `v_scale_n` ([BLOCK_N]) enter as weights p * s / max(s) over the
+    tile, which stay in [0, 1] (no fp16 underflow where likely keys have small scales), and the product is multiplied
+    back by that max."""
+    if SCALED:
+        v_top = tl.max(v_scale_n, 0)
+        p = p * (v_scale_n / v_top)[None, :]
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
+    else:
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return acc
+
+
+@triton.jit
 def scaled_softmax_step(qk, visible, k_s, v_s, m_i, l_i, qk_scale, logit_cap, SOFTCAP: tl.constexpr):
     """`online_softmax_step` for keys with per-key K scales `k_s` and V scales `v_s` ([BLOCK_N] each, positive
     normal float32) -> (w, alpha, m_new, l_new) where the PV weights w already carry the V scales.

@@ -31,6 +31,7 @@ from sglx.attention.kernels.common import (
     offsets_fit_int32,
     online_softmax_step,
     padded_dim,
+    pv_step,
     scaled_softmax_step,
     slot_offsets,
     tma_rows_descriptor,
@@ -241,16 +242,13 @@ def _decode_stage1(
             v = kv_tile_to_compute(v, FMT, CVT >= 1, q.dtype)
             if TMA:  # rows past hi hold whatever the page holds (never-written bits may be NaN): zero weights
                 v = tl.where(n_mask[:, None], v, 0.0).to(v.dtype)  # are not enough, zero the rows
-            if SLOT_SCALES and SCALE_FOLD == 0:  # p * scale / (the tile's largest scale) stays in [0, 1]
+            v_scale_n = alpha  # unused unless tile_max folding
+            if SLOT_SCALES and SCALE_FOLD == 0:
                 if PREFETCH:
                     v_scale_n = tl.where(n_mask, v_s, 0.0)
                 else:
                     v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head, mask=n_mask, other=0.0)
-                v_top = tl.max(v_scale_n, 0)
-                p = p * (v_scale_n / v_top)[None, :]
-                acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
-            else:
-                acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+            acc = pv_step(acc, alpha, p, v, v_scale_n, SLOT_SCALES and SCALE_FOLD == 0, IEEE)
             m_i = m_new
 
         out = acc / l_i[:, None] * v_scale

@@ -26,6 +26,7 @@ from sglx.attention.kernels.common import (
     offsets_fit_int32,
     online_softmax_step,
     padded_dim,
+    pv_step,
     slot_offsets,
     tma_rows_descriptor,
     tma_rows_ok,
@@ -123,13 +124,10 @@ def _extend_tiles(
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
             qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head)[None, :]
         p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
-        if SLOT_SCALES and not FROM_EXT:  # normalised by the tile's largest scale: no fp16 underflow
+        v_scale_n = alpha  # unused without per-slot scales
+        if SLOT_SCALES and not FROM_EXT:
             v_scale_n = tl.load(V_Scale + slots * stride_vs + kv_head)
-            v_top = tl.max(v_scale_n, 0)
-            p = p * (v_scale_n / v_top)[None, :]
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE) * v_top
-        else:
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+        acc = pv_step(acc, alpha, p, v, v_scale_n, SLOT_SCALES and not FROM_EXT, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
