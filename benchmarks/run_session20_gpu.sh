@@ -27,10 +27,11 @@ for stage in "$@"; do
         for tree in old new; do
           src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old_src/src
           for kv in auto fp8_e4m3; do
-            echo "--- round $rep $tree $kv"
+            echo "--- round $rep $tree $kv $(date +%T)"
             PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench attention --phase "$stage" --backend triton \
               --kv-cache-dtype "$kv" --output "$WORK/${stage}_${kv}_${tree}_r${rep}.json" 2>&1 \
               | grep -E "triton|cudnn|flashinfer|sdpa" | cut -c1-150
+            tar -czf "$OUT/s20.tgz" -C "$WORK" . 2>/dev/null
           done
         done
       done ;;
@@ -44,5 +45,5 @@ for stage in "$@"; do
               --output "$WORK/sweep_fp8_converts.json" 2>&1 | grep -v Warn | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
+  tar -czf "$OUT/s20.tgz" -C "$WORK" . 2>/dev/null  # after every stage: a call cut by its limit keeps what ran
 done
-tar -czf "$OUT/s20.tgz" -C "$WORK" . 2>/dev/null
