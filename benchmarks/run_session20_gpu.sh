@@ -26,7 +26,7 @@ for stage in "$@"; do
       for rep in $(seq 1 "${REPS:-2}"); do
         for tree in old new; do
           src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old_src/src
-          for kv in auto fp8_e4m3; do
+          for kv in ${KVS:-auto fp8_e4m3}; do
             echo "--- round $rep $tree $kv $(date +%T)"
             PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench attention --phase "$stage" --backend triton \
               --kv-cache-dtype "$kv" --output "$WORK/${stage}_${kv}_${tree}_r${rep}.json" 2>&1 \
@@ -41,7 +41,7 @@ for stage in "$@"; do
            --contexts 4096 --batches 1,4,16,32 --layers 8 --out "$WORK/mla_small_batch_h128.json" 2>&1 | grep -v Warn
          PYTHONPATH=$PWD/src:$SITE timeout 150 python3 benchmarks/sweep_mla_small_batch.py --heads 16 \
            --out "$WORK/mla_small_batch_h16.json" 2>&1 | grep -v Warn ;;
-    fp8cvt) PYTHONPATH=$PWD/src timeout 300 python3 benchmarks/sweep_fp8_decode.py --converts ptx_v,ptx_kv,cast \
+    fp8cvt) PYTHONPATH=$PWD/src timeout 300 python3 benchmarks/sweep_fp8_decode.py --converts ${CONVERTS:-ptx_v,ptx_kv,cast} \
               --output "$WORK/sweep_fp8_converts.json" 2>&1 | grep -v Warn | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac

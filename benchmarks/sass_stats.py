@@ -45,6 +45,9 @@ DECODE = {
     "per-token exponent 2 stages": ({"SLOT_SCALES": True, "SCALE_FOLD": 1}, 4, 2),
     "per-token exponent ptx_kv": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "CVT": 2}, 4, 3),
     "per-layer, slots a tile ahead": ({"PREFETCH": True}, 4, 3),
+    "per-layer, slots a tile ahead, bits_k": ({"PREFETCH": True, "CVT": 3}, 4, 3),
+    "per-token exponent, a tile ahead, bits_k": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "PREFETCH": True,
+                                                  "CVT": 3}, 4, 3),
     "per-token exponent block_n 128, a tile ahead": ({"SLOT_SCALES": True, "SCALE_FOLD": 1, "BLOCK_N": 128,
                                                       "PREFETCH": True}, 4, 3),
 }

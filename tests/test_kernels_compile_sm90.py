@@ -135,15 +135,17 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
     return kernel_source(_decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 3
 
 
-def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True, slot64: bool = False) -> tuple:
+def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True, slot64: bool = False,
+            fmt: int = 0) -> tuple:
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
     block_n = 128 if tma else 64
     rows = f"tensordesc<bf16[{block_n}, 128]>" if tma else BF16
-    ptrs = {"Q": BF16, "Out": BF16, "K_Buf": BF16, "V_Buf": BF16, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
+    pool = "*u8" if fmt else BF16
+    ptrs = {"Q": BF16, "Out": BF16, "K_Buf": pool, "V_Buf": pool, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
-                  BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=0, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
+                  BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=fmt, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
                   PREFETCH=prefetch, SLOT64=slot64)
     div16 = [n for n in _extend_kernel.arg_names if n.startswith("stride_")]  # as a real launch's strides: else
     # the tiles load one element at a time and are never pipelined
@@ -202,7 +204,12 @@ VARIANTS = {
                                                                                           cvt=2),
     "decode stage 1, fp8 K and V converted in PTX, slots a tile ahead": lambda: _decode_stage1(False, True, False, True,
                                                                                                 cvt=2),
+    "decode stage 1, fp8 K by bit moves (bits_k), slots a tile ahead": lambda: _decode_stage1(False, True, False,
+                                                                                               True, cvt=3),
+    "decode stage 1, fp8 per-token scales, K by bit moves": lambda: _decode_stage1(False, True, True, True, cvt=3),
     "extend, this step's rows": lambda: _extend(True),
+    "extend, e4m3 pool, K by bit moves": lambda: _extend(False, fmt=3),
+    "extend, e4m3 pool, cast": lambda: _extend(False, fmt=1),
     "extend, pool only": lambda: _extend(False),
     "extend, pool only, slot ids loaded in the loop": lambda: _extend(False, prefetch=False),
     "extend, pool only, 64-bit slot offsets": lambda: _extend(False, slot64=True),

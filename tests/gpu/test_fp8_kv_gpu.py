@@ -52,7 +52,8 @@ def _held(pool, slots):
 
 @pytest.mark.parametrize("fp8_convert,fold,block_n,prefetch", [
     (None, None, None, None), ("cast", None, None, None), ("ptx_v", None, None, None), ("ptx_kv", None, None, None),
-    (None, "tile_max", None, None), (None, "exponent", 128, None), (None, "tile_max", 128, True),
+    ("bits_k", None, None, None), ("bits_k", "tile_max", 128, True), (None, "tile_max", None, None),
+    (None, "exponent", 128, None), (None, "tile_max", 128, True),
     (None, "exponent", 64, True), (None, "exponent", 128, False)])
 @pytest.mark.parametrize("dtype,page,hq,hkv,dim,kv_cache_dtype", [
     (torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3"), (torch.float16, 1, 16, 2, 64, "fp8_e5m2")])
@@ -66,6 +67,8 @@ def test_decode_per_token_scales_match_float64(dtype, page, hq, hkv, dim, kv_cac
 
     if fp8_convert is not None and torch.cuda.get_device_capability() < (8, 9) and fp8_convert != "cast":
         pytest.skip("PTX fp8 conversion needs sm_89+")
+    if fp8_convert == "bits_k" and kv_cache_dtype != "fp8_e4m3":
+        pytest.skip("bits_k is for e4m3 pools and bfloat16 queries")
     lens = [1, 3000, 517, 64]
     r2t, pool, rows, _, _ = _cache(lens, page, hkv, dim, dtype, kv_cache_dtype)
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32, device=DEV))

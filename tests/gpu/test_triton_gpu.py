@@ -40,10 +40,13 @@ DECODE = [
     (torch.float16, 16, 16, 4, 256, "auto", (1.0, 1.0), 1000, 0.0),
     (torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3", (1.6, 0.7), None, 0.0),
     (torch.float16, 1, 64, 4, 128, "fp8_e5m2", (1.0, 1.0), 513, 20.0),
+    # K stored as k / 64: most of its e4m3 codes are subnormal (|k| < 1), which bits_k hands to the tensor cores
+    # as bfloat16 subnormals; flushing them would move the scores by O(1)
+    (torch.bfloat16, 16, 32, 8, 128, "fp8_e4m3", (64.0, 1.0), None, 0.0),
 ]
 
 
-FP8_CONVERTS = [None, "cast", "ptx_v", "ptx_kv"]  # None: the default for this device
+FP8_CONVERTS = [None, "cast", "ptx_v", "ptx_kv", "bits_k"]  # None: the default for this device
 
 
 @pytest.mark.parametrize("merge", ["second-kernel", "last-split", "one-split"])
@@ -61,6 +64,8 @@ def test_decode_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
 
     if fp8_convert is not None and (kv_cache_dtype == "auto" or torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("fp8 conversion paths apply to fp8 KV; the PTX ones need sm_89+")
+    if fp8_convert == "bits_k" and (kv_cache_dtype != "fp8_e4m3" or dtype != torch.bfloat16):
+        pytest.skip("bits_k is for e4m3 pools and bfloat16 queries (else a ValueError: test_fp8_convert_choice.py)")
     from triton_interpreted.paged import make_paged_cache, reference_attention
 
     lens = [1, 4096, 2500, 17, 1300, 3000, 600, 257]

@@ -25,6 +25,7 @@ import triton.language as tl
 from sglx.attention.kernels.common import (
     LOG2E,
     dot,
+    e4m3_bits_to_bf16_scaled,
     has_tma,
     kv_format,
     kv_tile_to_compute,
@@ -61,7 +62,11 @@ class DecodeConfig:
     # fp8 KV only: "cast" (Triton's cast; the compiler reads the transposed 8-bit V tile from shared
     # memory one byte at a time), "ptx_v" / "ptx_kv" (inline PTX converts V, or K and V, in registers to
     # float16; needs sm_89+). None: ptx_v where the device has the instruction, else cast. H100 sweep
-    # (B64, ctx 4096, page 1): cast 0.279 ms, ptx_kv 0.259, ptx_v 0.235 (bf16 KV 0.382)
+    # (B64, ctx 4096, page 1): cast 0.279 ms, ptx_kv 0.259, ptx_v 0.235 (bf16 KV 0.382). "bits_k" (e4m3 pool,
+    # bfloat16 queries; the default there on sm_89+): V as ptx_v, K's bits moved into bfloat16 by integer
+    # operations (`e4m3_bits_to_bf16_scaled`), so K needs no F2F on the conversion unit. H200, session 21, same
+    # shape: ptx_v 0.1814-0.1828 ms, bits_k 0.1707-0.1716 (0.66x of bf16's 0.258), ptx_kv 0.229, cast 0.277; bits_k
+    # pinned in the load layout (is_pure=False) 0.235 and V by bits too 0.245 (benchmarks/results/s21/)
     fp8_convert: str | None = None
     # batches up to this size merge the splits inside stage 1 (the last split of a request does it) when
     # the caller passes semaphores; larger ones use the second kernel. H100: batch 1 saves the stage-2
@@ -192,6 +197,8 @@ def _decode_stage1(
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
         if CVT == 2:
             q = q.to(tl.float16)
+        elif CVT == 3:  # K arrives as bf16 at 2**-120 of its value: q takes 2**64 (exact), the scores 2**56
+            q = (q.to(tl.float32) * 18446744073709551616.0).to(q.dtype)
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -218,8 +225,12 @@ def _decode_stage1(
                 # instructions a tile for fp8 KV with one scale a layer, with int32 offsets)
                 k = tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            k = tl.trans(kv_tile_to_compute(k, FMT, CVT == 2, q.dtype))
-            qk = dot(q, k, IEEE)
+            if CVT == 3:
+                k = tl.trans(e4m3_bits_to_bf16_scaled(k))
+                qk = dot(q, k, IEEE) * 72057594037927936.0
+            else:
+                k = tl.trans(kv_tile_to_compute(k, FMT, CVT == 2, q.dtype))
+                qk = dot(q, k, IEEE)
             if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
                 if not PREFETCH:  # masked keys read slot 0's scales: whatever they hold, unused
                     scale_row = slots * stride_ks + kv_head
@@ -290,7 +301,7 @@ def _decode_stage2(
              mask=dv_mask)
 
 
-FP8_CONVERTS = {"cast": 0, "ptx_v": 1, "ptx_kv": 2}
+FP8_CONVERTS = {"cast": 0, "ptx_v": 1, "ptx_kv": 2, "bits_k": 3}
 TOKEN_SCALE_FOLDS = {"tile_max": 0, "exponent": 1}
 # exponent does less work by static count (sm_90a SASS: 745 vs 829 instructions a loop, 122 vs 153 registers) and in
 # the H100's same-run A/B (session 7, B64 Hq32/Hkv8 ctx 4096, benchmarks/results/fp8_kv_decode_h100_s7.json) it took
@@ -299,14 +310,20 @@ TOKEN_SCALE_FOLDS = {"tile_max": 0, "exponent": 1}
 DEFAULT_TOKEN_SCALE_FOLD = "exponent"
 
 
-def _fp8_convert_code(config: DecodeConfig, fmt: int, device: torch.device, interpret: bool) -> int:
+def _fp8_convert_code(config: DecodeConfig, fmt: int, q_dtype: torch.dtype, device: torch.device,
+                      interpret: bool) -> int:
     if fmt == 0:
         return 0
     if config.fp8_convert is not None:
+        if config.fp8_convert == "bits_k" and (fmt != 1 or q_dtype != torch.bfloat16):
+            raise ValueError(f"fp8_convert={config.fp8_convert!r} needs an e4m3 pool and bfloat16 queries (got KV "
+                             f"format {fmt}, queries {q_dtype}); use fp8_convert='ptx_kv' for float16 models")
         return FP8_CONVERTS[config.fp8_convert]
     if interpret or device.type != "cuda" or torch.version.hip:
         return 0
-    return 1 if torch.cuda.get_device_capability(device) >= (8, 9) else 0
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return 0
+    return 3 if fmt == 1 and q_dtype == torch.bfloat16 else 1
 
 
 def _token_scale_fold_code(config: DecodeConfig) -> int:
@@ -417,7 +434,7 @@ def decode_attention(
         out.stride(0), out.stride(1), MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(max_splits), TMA=tma,
         GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim),
         BLOCK_DV=padded_dim(dim_v), BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap, IEEE=ieee,
-        CVT=_fp8_convert_code(config, fmt, q.device, interpret), SLOT_SCALES=slot_scales,
+        CVT=_fp8_convert_code(config, fmt, q.dtype, q.device, interpret), SLOT_SCALES=slot_scales,
         SCALE_FOLD=_token_scale_fold_code(config) if slot_scales else 0,
         PREFETCH=not tma and _prefetch_slots(config, fmt, slot_scales, wide, interpret),
         SLOT64=not offsets_fit_int32(k_buffer, v_buffer), num_warps=num_warps,
