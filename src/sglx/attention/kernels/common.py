@@ -125,7 +125,7 @@ def e4m3_bits_to_bf16_scaled(x):
     bfloat16's exponent field: the same number with the exponent bias 127 instead of 7 (exact; e4m3
     subnormals become bfloat16 subnormals). Why: the hardware conversion to bfloat16 is two instructions on the
     SM's conversion unit (F2FP to float16, F2F to bfloat16) per pair, and decode converts every K byte it reads.
-    The caller takes the 2**120 back (q times 2**64 exactly, the scores times 2**56)."""
+    The caller takes the 2**120 back: `bits_k_query` on q, `bits_k_scores` on q K^T."""
     return tl.inline_asm_elementwise(
         "{ .reg .b32 z, t0, t1, s0, s1; mov.b32 z, 0; "
         "prmt.b32 t0, $2, z, 0x1404; prmt.b32 t1, $2, z, 0x3424; "
@@ -134,6 +134,19 @@ def e4m3_bits_to_bf16_scaled(x):
         "and.b32 t0, t0, 0x80008000; and.b32 t1, t1, 0x80008000; "
         "or.b32 $0, t0, s0; or.b32 $1, t1, s1; }",
         "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def bits_k_query(q):
+    """q for keys from `e4m3_bits_to_bf16_scaled`: times 2**64 (exact), which keeps its products with keys at
+    2**-120 of their values clear of float32's subnormals."""
+    return (q.to(tl.float32) * 18446744073709551616.0).to(q.dtype)
+
+
+@triton.jit
+def bits_k_scores(qk):
+    """Scores of a `bits_k_query` against bit-moved keys, back to their values: the remaining 2**56 (exact)."""
+    return qk * 72057594037927936.0
 
 
 @triton.jit

@@ -24,6 +24,8 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import (
     LOG2E,
+    bits_k_query,
+    bits_k_scores,
     dot,
     e4m3_bits_to_bf16_scaled,
     has_tma,
@@ -198,7 +200,7 @@ def _decode_stage1(
         if CVT == 2:
             q = q.to(tl.float16)
         elif CVT == 3:  # K arrives as bf16 at 2**-120 of its value: q takes 2**64 (exact), the scores 2**56
-            q = (q.to(tl.float32) * 18446744073709551616.0).to(q.dtype)
+            q = bits_k_query(q)
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -227,7 +229,7 @@ def _decode_stage1(
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if CVT == 3:
                 k = tl.trans(e4m3_bits_to_bf16_scaled(k))
-                qk = dot(q, k, IEEE) * 72057594037927936.0
+                qk = bits_k_scores(dot(q, k, IEEE))
             else:
                 k = tl.trans(kv_tile_to_compute(k, FMT, CVT == 2, q.dtype))
                 qk = dot(q, k, IEEE)

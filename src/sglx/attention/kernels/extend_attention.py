@@ -19,6 +19,8 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import (
     LOG2E,
+    bits_k_query,
+    bits_k_scores,
     dot,
     e4m3_bits_to_bf16_scaled,
     fp8_bits_to_value,
@@ -133,7 +135,7 @@ def _extend_tiles(
         visible = visible & (offs_n[None, :] > q_pos[:, None] - win)  # unused (removed) when not MASKED
         qk = dot(q, k, IEEE)
         if FMT == 3:
-            qk = qk * 72057594037927936.0
+            qk = bits_k_scores(qk)
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
             qk = qk * tl.load(K_Scale + slots * stride_ks + kv_head)[None, :]
         p, alpha, m_new, l_i = online_softmax_step(qk, visible, m_i, l_i, qk_scale, logit_cap, MASKED, SOFTCAP)
@@ -191,7 +193,7 @@ def _extend_kernel(
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         if FMT == 3:  # K tiles arrive at 2**-120 of their values (e4m3_bits_to_bf16_scaled): exact powers of two
-            q = (q.to(tl.float32) * 18446744073709551616.0).to(q.dtype)
+            q = bits_k_query(q)
 
         # Keys every valid query of the block sees: [full_lo, q_first]; partially seen below and above.
         q_first = prefix + m0
