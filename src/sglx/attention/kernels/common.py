@@ -117,6 +117,18 @@ def fp8_bits_to_f16_asm(x, FMT: tl.constexpr):
     return y
 
 
+# $2: four e4m3 codes; $0 / $1: codes 0-1 / 2-3 as bfloat16 pairs (element 0 in the low half). prmt spreads two codes
+# into the high bytes of two halves, the sign is kept, exponent and mantissa shift down by four.
+# tests/test_fp8_bit_moves.py runs this text through a small PTX simulator over every code.
+E4M3_TO_BF16_SCALED_PTX = tl.constexpr(
+    "{ .reg .b32 z, t0, t1, s0, s1; mov.b32 z, 0; "
+    "prmt.b32 t0, $2, z, 0x1404; prmt.b32 t1, $2, z, 0x3424; "
+    "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; "
+    "and.b32 s0, s0, 0x07F007F0; and.b32 s1, s1, 0x07F007F0; "
+    "and.b32 t0, t0, 0x80008000; and.b32 t1, t1, 0x80008000; "
+    "or.b32 $0, t0, s0; or.b32 $1, t1, s1; }")
+
+
 @triton.jit
 def e4m3_bits_to_bf16_scaled(x):
     """uint8 bits of e4m3 -> bfloat16 equal to the value times 2**-120, by integer operations only.
@@ -126,14 +138,7 @@ def e4m3_bits_to_bf16_scaled(x):
     subnormals become bfloat16 subnormals). Why: the hardware conversion to bfloat16 is two instructions on the
     SM's conversion unit (F2FP to float16, F2F to bfloat16) per pair, and decode converts every K byte it reads.
     The caller takes the 2**120 back: `bits_k_query` on q, `bits_k_scores` on q K^T."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 z, t0, t1, s0, s1; mov.b32 z, 0; "
-        "prmt.b32 t0, $2, z, 0x1404; prmt.b32 t1, $2, z, 0x3424; "
-        "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; "
-        "and.b32 s0, s0, 0x07F007F0; and.b32 s1, s1, 0x07F007F0; "
-        "and.b32 t0, t0, 0x80008000; and.b32 t1, t1, 0x80008000; "
-        "or.b32 $0, t0, s0; or.b32 $1, t1, s1; }",
-        "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(E4M3_TO_BF16_SCALED_PTX, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
