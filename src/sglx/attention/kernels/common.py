@@ -141,6 +141,12 @@ def e4m3_bits_to_bf16_scaled(x):
     return tl.inline_asm_elementwise(E4M3_TO_BF16_SCALED_PTX, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
+def bits_k_applies(fmt: int, q_dtype: torch.dtype) -> bool:
+    """Whether K tiles of this pool format (kv_format: 1 = e4m3) can reach the dot by `e4m3_bits_to_bf16_scaled`:
+    the moved bits are bfloat16, so the queries must be too."""
+    return fmt == 1 and q_dtype == torch.bfloat16
+
+
 @triton.jit
 def bits_k_query(q):
     """q for keys from `e4m3_bits_to_bf16_scaled`: times 2**64 (exact), which keeps its products with keys at

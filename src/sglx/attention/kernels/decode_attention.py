@@ -24,6 +24,7 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import (
     LOG2E,
+    bits_k_applies,
     bits_k_query,
     bits_k_scores,
     dot,
@@ -227,12 +228,13 @@ def _decode_stage1(
                 # instructions a tile for fp8 KV with one scale a layer, with int32 offsets)
                 k = tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            if CVT == 3:
-                k = tl.trans(e4m3_bits_to_bf16_scaled(k))
-                qk = bits_k_scores(dot(q, k, IEEE))
+            if CVT == 3:  # noqa: SIM108 - constexpr branch, resolved at compile time
+                k = e4m3_bits_to_bf16_scaled(k)
             else:
-                k = tl.trans(kv_tile_to_compute(k, FMT, CVT == 2, q.dtype))
-                qk = dot(q, k, IEEE)
+                k = kv_tile_to_compute(k, FMT, CVT == 2, q.dtype)
+            qk = dot(q, tl.trans(k), IEEE)
+            if CVT == 3:
+                qk = bits_k_scores(qk)
             if SLOT_SCALES and SCALE_FOLD == 1:  # V scales' exponents join the scores (scaled_softmax_step)
                 if not PREFETCH:  # masked keys read slot 0's scales: whatever they hold, unused
                     scale_row = slots * stride_ks + kv_head
@@ -317,7 +319,7 @@ def _fp8_convert_code(config: DecodeConfig, fmt: int, q_dtype: torch.dtype, devi
     if fmt == 0:
         return 0
     if config.fp8_convert is not None:
-        if config.fp8_convert == "bits_k" and (fmt != 1 or q_dtype != torch.bfloat16):
+        if config.fp8_convert == "bits_k" and not bits_k_applies(fmt, q_dtype):
             raise ValueError(f"fp8_convert={config.fp8_convert!r} needs an e4m3 pool and bfloat16 queries (got KV "
                              f"format {fmt}, queries {q_dtype}); use fp8_convert='ptx_kv' for float16 models")
         return FP8_CONVERTS[config.fp8_convert]
@@ -325,7 +327,7 @@ def _fp8_convert_code(config: DecodeConfig, fmt: int, q_dtype: torch.dtype, devi
         return 0
     if torch.cuda.get_device_capability(device) < (8, 9):
         return 0
-    return 3 if fmt == 1 and q_dtype == torch.bfloat16 else 1
+    return 3 if bits_k_applies(fmt, q_dtype) else 1
 
 
 def _token_scale_fold_code(config: DecodeConfig) -> int:

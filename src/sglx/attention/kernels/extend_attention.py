@@ -19,6 +19,7 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import (
     LOG2E,
+    bits_k_applies,
     bits_k_query,
     bits_k_scores,
     dot,
@@ -248,7 +249,7 @@ def _kv_code(config: ExtendConfig, fp8_dtype: torch.dtype | None, q: torch.Tenso
     wanted = config.fp8_bits_k
     if wanted is None:
         wanted = not interpret and q.device.type == "cuda" and not torch.version.hip
-    return 3 if fmt == 1 and wanted and q.dtype == torch.bfloat16 else fmt
+    return 3 if wanted and bits_k_applies(fmt, q.dtype) else fmt
 
 
 def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool,
