@@ -6,11 +6,11 @@
 #            (sweep_extend_prefill.py --prefetch): whether causal prefill can now take them too
 #   mla      small-batch MLA decode against FlashInfer, both graph-timed (sweep_mla_small_batch.py): 128 heads ctx
 #            4096 (DeepSeek-V3's attention) and 16 heads ctx 544/2048 (V2-Lite), batches 1-32
-#   fp8cvt   fp8 decode with each fp8 conversion (ptx_v the default, ptx_kv, cast), pages 1 and 16, bf16 alongside
-#            (sweep_fp8_decode.py --converts): with K gathered as rows, ptx_kv's loop is 381-415 instructions to
-#            ptx_v's 512 (SASS, CPU compile)
-#   prefill  `sglx bench attention --phase prefill --backend triton` (cuDNN and FlashInfer in the same run), bf16 and
-#   decode   fp8_e4m3 pools, .old_src and this tree alternated in fresh processes (REPS rounds, default 2)
+#   fp8cvt   fp8 decode with each fp8 conversion in CONVERTS (default ptx_v,ptx_kv,cast; bits_k is the default
+#            launch for e4m3 pools since session 21), pages 1 and 16, bf16 alongside (sweep_fp8_decode.py --converts)
+#   prefill  `sglx bench attention --phase prefill --backend triton` (cuDNN and FlashInfer in the same run), the pools
+#   decode   in KVS (default "auto fp8_e4m3"), .old_src and this tree alternated in fresh processes (REPS rounds,
+#            default 2)
 # Every JSON report lands in $OUT/s20.tgz (one file: the device returns only a few files a call).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
