@@ -33,15 +33,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="sweep_fp8_decode.json")
     ap.add_argument("--converts", default="", help="comma-separated fp8_convert values to time instead of VARIANTS")
+    ap.add_argument("--grid", default="", help="BLOCK_NxWARPSxSTAGES launches (e.g. 64x4x3,128x4x2) for fp8 instead "
+                    "of VARIANTS, each at the automatic split count and twice it")
+    ap.add_argument("--bf16-grid", default="", help="the same for the bf16 pool (default: its default launch only)")
+    ap.add_argument("--pages", default="1,16")
     args = ap.parse_args()
     converts = [c for c in args.converts.split(",") if c]
+    grid = [tuple(int(x) for x in g.split("x")) for g in args.grid.split(",") if g] or VARIANTS
+    bf16_grid = [tuple(int(x) for x in g.split("x")) for g in args.bf16_grid.split(",") if g]
     torch.manual_seed(0)
     k = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
     v = torch.randn(BS, HKV, CTX, DIM, device=DEV, dtype=DTYPE)
     q = torch.randn(BS, HQ, DIM, device=DEV, dtype=DTYPE)
     auto = choose_num_kv_splits(BS, HKV, CTX, num_sms(DEV))
     results: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, auto_splits=auto, rows=[])
-    for page in (1, 16):
+    pages = [int(p) for p in args.pages.split(",")]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # the same-run baseline: cuDNN over contiguous bf16 K/V
+        results["cudnn_contiguous_ms"] = median_ms(lambda: sdpa_decode(q, k, v))
+    print("cudnn contiguous bf16", results["cudnn_contiguous_ms"], flush=True)
+    for page in pages:
         kv_indptr, kv_indices, slots = paged_indices(BS, CTX, page, seed=page)
         loc = kv_indices.long()
         for fp8 in (None, FP8):
@@ -59,9 +69,11 @@ def main() -> None:
                 ref = sdpa_decode(q, cache(k_buf), cache(v_buf))
             kv_bytes = 2 * BS * HKV * CTX * DIM * (1 if fp8 is not None else 2)
             variants = [(None, None, None, c) for c in converts * 2] if converts else \
-                [(bn, nw, st, None) for bn, nw, st in VARIANTS]
-            for bn, nw, st, convert in (variants if fp8 is not None else variants[:1]):
-                for splits in ((auto, 2 * auto) if fp8 is not None and not converts else (auto,)):
+                [(bn, nw, st, None) for bn, nw, st in grid]
+            if fp8 is None:
+                variants = [(None, None, None, None)] + [(bn, nw, st, None) for bn, nw, st in bf16_grid]
+            for bn, nw, st, convert in variants:
+                for splits in ((auto, 2 * auto) if bn is not None else (auto,)):
                     cfg = DecodeConfig(block_n=bn, num_warps=nw, num_stages=st,
                                        fp8_convert=convert if fp8 is not None else None)
                     out = torch.empty(BS, HQ, DIM, device=DEV, dtype=DTYPE)
@@ -85,7 +97,7 @@ def main() -> None:
                     print(row, flush=True)
             del k_buf, v_buf
             torch.cuda.empty_cache()
-    for page in (1, 16):
+    for page in pages:
         bf16 = next(r["ms"] for r in results["rows"] if r["page"] == page and r["kv"] == "bf16")
         for r in results["rows"]:
             if r["page"] == page and "ms" in r:

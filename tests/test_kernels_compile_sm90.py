@@ -79,7 +79,8 @@ def _mla_merge() -> tuple:
     from sglx.attention.kernels.mla_decode import _mla_merge_kernel
 
     ptrs = {"Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": BF16, "Kv_Indptr": "*i32"}
-    return kernel_source(_mla_merge_kernel, dict(R=512, BLOCK_DV=128, BLOCK_S=64, BLOCK_N=32), ptrs), 4, 1
+    return kernel_source(_mla_merge_kernel, dict(H=128, R=512, BLOCK_HM=4, BLOCK_DV=512, BLOCK_S=4, BLOCK_N=64),
+                         ptrs), 4, 1
 
 
 def _mla_rope(store: bool, norm: bool) -> tuple:

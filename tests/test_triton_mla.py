@@ -66,3 +66,25 @@ def test_wide_launch_splits_never_start_a_partial_second_wave():
     assert mla_num_splits(60, 128, 4096, 132, wide) == 1
     assert mla_num_splits(4, 128, 4096, 132, replace(wide, num_splits=17)) == 17
     assert mla_num_splits(4, 128, 4096, 132, wide_launch(MLADecodeConfig(min_chunk=64))) == 16
+
+
+def test_merge_programs_grow_to_their_tile_while_the_grid_still_covers_the_sms():
+    """Stage 2's program shape: the 128-head calls of the H200 profile (B16 x 4 splits took 25 us as 8,192
+    one-head 128-column programs) get whole 512-wide rows and up to 8 heads a program, within MERGE_TILE floats
+    and never fewer programs than SMs; a 16-head batch-1 call (DeepSeek-V2-Lite) keeps one head and 128 columns,
+    where any larger program would leave SMs idle."""
+    import triton
+
+    from sglx.attention.kernels.mla_decode import MERGE_TILE, merge_launch
+
+    assert merge_launch(16, 128, 512, 4, 132) == (4, 512)
+    assert merge_launch(32, 128, 512, 2, 132) == (8, 512)
+    assert merge_launch(4, 128, 512, 16, 132) == (1, 512)
+    assert merge_launch(1, 128, 512, 32, 132) == (1, 256)
+    assert merge_launch(1, 16, 512, 32, 132) == (1, 128)
+    for bs in (1, 2, 3, 8, 16, 32, 48):
+        for h, block_s in ((16, 32), (20, 4), (128, 8), (128, 64)):
+            hm, dv = merge_launch(bs, h, 512, block_s, 132)
+            start = bs * h * 4  # programs of one head and 128 columns
+            assert block_s * hm * dv <= max(MERGE_TILE, block_s * 128)
+            assert bs * triton.cdiv(h, hm) * triton.cdiv(512, dv) >= min(start, 132)

@@ -113,6 +113,41 @@ def test_wide_launch_takes_fp8_latents(kv_cache_dtype, dtype):
         assert (out[i].double() - ref).abs().max().item() < (4e-3 if dtype == torch.float16 else 2e-5), i
 
 
+@pytest.mark.parametrize("block_hm,block_dv", [(1, 32), (4, 64), (8, 128)])
+def test_merge_kernel_matches_float64_at_each_program_shape(block_hm, block_dv):
+    """Stage 2 on its own, at head x column blocks `merge_launch` can pick (12 heads: a masked head block at 8;
+    latent 80: masked columns at 64 and 128): out = sum_s 2**lse_s o_s / sum_s 2**lse_s over the splits that hold
+    keys (a 20-key request two of three, a 1-key one one), float64 reference, NaN in the unused partials."""
+    from sglx.attention.kernels.mla_decode import _mla_merge_kernel
+
+    lens, heads, r, splits, min_chunk, block_n = [20, 1, 90], 12, 80, 3, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    mid_o = torch.randn(len(lens), heads, splits, r, generator=gen)
+    mid_lse = torch.randn(len(lens), heads, splits, generator=gen) * 4
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    def n_active(n: int) -> int:  # _split_range: n_splits = min(cdiv(n, min_chunk), splits), chunk in BLOCK_N steps
+        chunk = cdiv(cdiv(n, min(max(cdiv(n, min_chunk), 1), splits)), block_n) * block_n
+        return cdiv(n, chunk)
+
+    active = [n_active(n) for n in lens]
+    assert active == [2, 1, 3]
+    for i, n_active in enumerate(active):
+        mid_o[i, :, n_active:] = float("nan")
+        mid_lse[i, :, n_active:] = float("nan")
+    out = torch.full((len(lens), heads, r), float("nan"))
+    grid = (len(lens), -(-heads // block_hm), -(-r // block_dv))
+    _mla_merge_kernel[grid](mid_o, mid_lse, out, kv_indptr, splits, min_chunk, *mid_o.stride()[:3],
+                            *mid_lse.stride()[:2], *out.stride()[:2], H=heads, R=r, BLOCK_HM=block_hm,
+                            BLOCK_DV=block_dv, BLOCK_S=4, BLOCK_N=block_n, num_warps=1)
+    for i, n_active in enumerate(active):
+        w = torch.softmax(mid_lse[i, :, :n_active].double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), -1)
+        ref = (w[..., None] * mid_o[i, :, :n_active].double()).sum(1)
+        assert (out[i].double() - ref).abs().max().item() < 1e-5, i
+
+
 def test_split_query_halves_read_in_place_equal_the_concatenated_query():
     """q_pe given apart (as the backend passes it: a slice of the projected q, and the latent half a transposed bmm
     result) gives bitwise the output of the concatenated query; mismatched halves are refused."""

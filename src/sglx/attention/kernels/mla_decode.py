@@ -30,7 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sglx.attention.kernels.common import LOG2E, dot, kv_format, kv_tile_to_compute, online_softmax_step, padded_dim
+from sglx.attention.kernels.common import (
+    LOG2E,
+    dot,
+    kv_format,
+    kv_tile_to_compute,
+    num_sms,
+    online_softmax_step,
+    padded_dim,
+)
 from sglx.attention.kernels.decode_attention import MAX_SPLITS_CAP, DecodeConfig, _split_range, choose_num_kv_splits
 
 __all__ = ["MLADecodeConfig", "choose_num_kv_splits", "head_blocks", "mla_decode_attention", "mla_num_splits",
@@ -137,23 +145,50 @@ def mla_num_splits(batch_size: int, heads: int, max_seq_len: int, sms: int, conf
 @triton.jit
 def _mla_merge_kernel(Mid_O, Mid_Lse, Out, Kv_Indptr, max_splits, min_chunk,
                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-                      R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stage 2: out[b, h, cols] = the splits' partial outputs weighted by their sum-exp (log2 domain)."""
+                      H: tl.constexpr, R: tl.constexpr, BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stage 2: out[b, heads, cols] = the splits' partial outputs weighted by their sum-exp (log2 domain), for
+    BLOCK_HM heads x BLOCK_DV columns a program, every split's rows loaded at once (see `merge_launch`)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
     offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
     splits = tl.arange(0, BLOCK_S)
     lo, hi, _ = _split_range(seq_len, 0, splits, max_splits, min_chunk, BLOCK_N)
-    valid = (lo < hi) & (splits < max_splits)
+    valid = ((lo < hi) & (splits < max_splits))[None, :] & (heads < H)[:, None]  # [heads, splits]
     dv_mask = offs_dv < R
-    lse = tl.load(Mid_Lse + b * stride_lb + h * stride_lh + splits, mask=valid, other=float("-inf"))
-    weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    parts = tl.load(Mid_O + b.to(tl.int64) * stride_ob + h * stride_oh + splits[:, None] * stride_os
-                    + offs_dv[None, :], mask=valid[:, None] & dv_mask[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(Out + b.to(tl.int64) * stride_out_t + h * stride_out_h + offs_dv, out.to(Out.dtype.element_ty),
-             mask=dv_mask)
+    lse = tl.load(Mid_Lse + b * stride_lb + heads[:, None] * stride_lh + splits[None, :], mask=valid,
+                  other=float("-inf"))
+    weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 1)[:, None]), 0.0)
+    rows = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + splits[None, :] * stride_os
+    parts = tl.load(rows[:, :, None] + offs_dv[None, None, :], mask=valid[:, :, None] & dv_mask[None, None, :],
+                    other=0.0)  # [heads, splits, cols]
+    out = tl.sum(parts * weights[:, :, None], 1) / tl.maximum(tl.sum(weights, 1), 1.0e-30)[:, None]
+    tl.store(Out + b.to(tl.int64) * stride_out_t + heads[:, None] * stride_out_h + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=(heads < H)[:, None] & dv_mask[None, :])
+
+
+# elements of [heads, splits, cols] a merge program loads at once. H200, 128 heads, latent 512, ctx 4096
+# (benchmarks/results/s22/mla_profile_*): one program per (request, head, 128 columns) left programs of 512-2048
+# floats, and at batch 16 / 4 splits the merge took 25 us of the 80 us call (8,192 programs: launching them was the
+# cost, 16.8 MB at 0.7 TB/s); programs of this many elements, while the grid still has at least one per SM
+MERGE_TILE = 8192
+
+
+def merge_launch(bs: int, h: int, r: int, block_s: int, sms: int) -> tuple[int, int]:
+    """(heads, columns) a merge program takes: columns up to the padded latent, then heads up to 8, each doubling
+    only while the program's tile stays within MERGE_TILE and the grid keeps at least `sms` programs."""
+    r_pad = padded_dim(r)
+    heads, cols = 1, min(128, r_pad)
+
+    def programs(hm: int, dv: int) -> int:
+        return bs * triton.cdiv(h, hm) * triton.cdiv(r, dv)
+
+    while cols < r_pad and block_s * heads * cols * 2 <= MERGE_TILE and programs(heads, cols * 2) >= sms:
+        cols *= 2
+    while heads < min(8, h) and block_s * heads * cols * 2 <= MERGE_TILE and programs(heads * 2, cols) >= sms:
+        heads *= 2
+    return heads, cols
 
 
 @triton.jit
@@ -346,12 +381,13 @@ def mla_decode_attention(
         )
     if single:
         return out
-    block_dv = min(128, padded_dim(r))
-    _mla_merge_kernel[(bs, h, triton.cdiv(r, block_dv))](
+    block_s = triton.next_power_of_2(max_splits)
+    block_hm, block_dv = merge_launch(bs, h, r, block_s, 1 if interpret else num_sms(q.device))
+    _mla_merge_kernel[(bs, triton.cdiv(h, block_hm), triton.cdiv(r, block_dv))](
         mid_o, mid_lse, out, kv_indptr, max_splits, min_chunk,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        R=r, BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_N=block_n,
+        H=h, R=r, BLOCK_HM=block_hm, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_N=block_n,
         num_warps=4 if not interpret else 1,
     )
     return out
