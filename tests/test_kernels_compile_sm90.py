@@ -189,6 +189,8 @@ VARIANTS = {
     "mla stage 1, Gluon 64-head, splits": lambda: _mla_stage1_gluon(False),
     "mla stage 1, Gluon 64-head, one split": lambda: _mla_stage1_gluon(True),
     "mla stage 1, Gluon 64-head, fp8 e4m3 latents": lambda: _mla_stage1_gluon(False, 1),
+    "mla stage 1, Gluon 64-head, e4m3 latents by bit moves": lambda: _mla_stage1_gluon(False, 3),
+    "mla stage 1, Gluon 64-head, e4m3 by bit moves, one split": lambda: _mla_stage1_gluon(True, 3),
     "mla stage 1, Gluon seesaw (warp-specialised), splits": lambda: _mla_stage1_seesaw(False),
     "mla stage 1, Gluon seesaw (warp-specialised), one split": lambda: _mla_stage1_seesaw(True),
     "mla merge": _mla_merge,

@@ -93,6 +93,45 @@ def test_mla_decode_kernel_real_shapes_match_float64(dtype, page, heads, kv_cach
         assert (out[i].double() - ref).abs().max().item() < TOL[dtype], i
 
 
+@pytest.mark.parametrize("single", [False, True])
+def test_e4m3_latents_near_zero_keep_their_relative_accuracy(single: bool) -> None:
+    """bf16 queries over e4m3 latents take the bit-moved route (FMT 3: latents at 2**-120 of their values, q and the
+    weights lifted by 2**64). Latents of size ~2**-7 make 94% of the codes e4m3 subnormals (bfloat16 subnormals once
+    moved): the error is measured relative to the output's size, against float64 on the stored values, with the
+    split merge (4 requests) and one split (64 requests). A route that lost subnormal codes fails it. (Session 22,
+    H200: the same kernel without the 2**64 lifts also passed, so this GPU's wgmma keeps float32 subnormal products;
+    the lifts stay, as in decode's bits_k, for hardware that flushes them.)"""
+    from sglx.attention.kernels.common import num_sms
+    from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_num_splits, resolve_config
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+    r, dr, heads, ctx = 512, 64, 128, 900
+    batch = 64 if single else 4
+    gen = torch.Generator().manual_seed(3)
+    pool = MLATokenKVPool(batch * ctx + 2, 1, 1, r, dr, torch.bfloat16, "fp8_e4m3", DEV)
+    slots = (torch.randperm(batch * ctx, generator=gen) + 1).to(DEV)
+    lat = (torch.randn(batch * ctx, r + dr, generator=gen) * 2.0 ** -7).to(DEV, torch.bfloat16)
+    pool.set_latent(0, slots, lat[:, :r], lat[:, r:])
+    codes = pool.kv_buffer[0][slots, 0]
+    assert ((codes & 0x78) == 0).float().mean().item() > 0.5  # most codes have a zero exponent field: subnormal
+    kv_indptr = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * ctx
+    kv_indices = slots.int()
+    q = (torch.randn(batch, heads, r + dr, generator=gen) * 30).to(DEV, torch.bfloat16)
+    config = resolve_config(MLADecodeConfig(), heads, True, torch.device(DEV))
+    splits = mla_num_splits(batch, heads, ctx, num_sms(torch.device(DEV)), config)
+    assert (splits == 1) == single
+    out = torch.empty(batch, heads, r, dtype=torch.bfloat16, device=DEV)
+    mid_o = torch.empty(batch, heads, splits, r, device=DEV)
+    mla_decode_attention(q, pool.kv_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_o[..., 0].clone(),
+                         (128 + 64) ** -0.5, r, kv_scale=pool.kv_scale[0], fp8_dtype=pool.fp8_dtype, config=config)
+    stored = pool.get_latent(0, slots.long(), torch.float64).view(batch, ctx, r + dr)
+    probs = torch.softmax(torch.einsum("bhd,bld->bhl", q.double(), stored) * (128 + 64) ** -0.5, -1)
+    ref = probs @ stored[..., :r]
+    assert probs.max().item() < 0.9  # the weights are spread: many latents matter
+    err = ((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+    assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("batch", [4, 64])
 @pytest.mark.parametrize("seesaw", [False, True])
 def test_gluon_mla_decode_replays_in_a_cuda_graph(batch: int, seesaw: bool) -> None:

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import (
     LOG2E,
+    bits_k_applies,
     dot,
     kv_format,
     kv_tile_to_compute,
@@ -289,7 +290,7 @@ def use_gluon(q: torch.Tensor, kv_buffer: torch.Tensor, r: int, dr: int, config:
               fp8_dtype: torch.dtype | None) -> bool:
     """Whether stage 1 runs the Gluon kernel (`MLADecodeConfig.gluon`; config resolved). Measured on the H200
     (session 18, benchmarks/results/s18/): B64 H128 ctx 4096 bf16 0.303 -> 0.195 ms, FlashInfer MLA 0.143; fp8
-    latents 0.440 -> 0.339 ms."""
+    latents 0.440 -> 0.339 ms; e4m3 moved into bf16 by bits (session 22) 0.297 ms."""
     if config.gluon is False:
         return False
     shape = (config.block_h, config.block_n, config.num_warps, r, dr)
@@ -310,6 +311,10 @@ def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, 
     """Stage 1 through `mla_decode_gluon`, or `mla_decode_seesaw` (16-bit latents): same outputs as
     `_mla_decode_stage1`; `use_gluon` said it fits. Both Gluon kernels take the same arguments."""
     bs, h, r = q.shape
+    fmt = kv_format(fp8_dtype)
+    if not seesaw and bits_k_applies(fmt, q.dtype):  # e4m3 latents moved into bfloat16 by bits, at 2**-120 (FMT 3):
+        fmt = 3  # the kernel lifts q by 2**64, so the scores owe 2**56; its outputs owe 2**120
+        qk_scale, v_scale = qk_scale * 2.0 ** 56, v_scale * 2.0 ** 120
     args = (q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
             q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -323,7 +328,7 @@ def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, 
     else:
         from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
-        _mla_decode_stage1_gluon[grid](*args, **consts, FMT=kv_format(fp8_dtype), num_warps=8)
+        _mla_decode_stage1_gluon[grid](*args, **consts, FMT=fmt, num_warps=8)
 
 
 def mla_decode_attention(

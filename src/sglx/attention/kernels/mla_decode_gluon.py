@@ -8,8 +8,9 @@ inside i - 1), so it overlaps all of tile i's work. Slot ids are read a tile ahe
 front of a copy's addresses; the softmax denominator is summed over keys once, after the loop, instead of
 across the two warpgroups every tile. The PV product is waited for where it is issued: left in flight across
 the loop's back edge, ptxas serialises every wgmma of the loop (C7515) and the kernel was 13% slower (H200,
-session 18: 0.221 against 0.195 ms, B64 H128 ctx 4096). fp8 latents (FMT 1/2) land as bytes in two 36 KB stages
-and are converted into one 16-bit tile before the products (0.440 -> 0.339 ms against the `tl.dot` kernel). Same
+session 18: 0.221 against 0.195 ms, B64 H128 ctx 4096). fp8 latents (FMT 1-3) land as bytes in two 36 KB stages
+and are converted into one 16-bit tile before the products (0.440 -> 0.339 ms against the `tl.dot` kernel; e4m3 under
+bf16 queries by integer bit moves instead of the conversion unit, FMT 3: 0.339 -> 0.297 ms, session 22). Same
 contract as `_mla_decode_stage1`: 64 heads a program, 64-key tiles, 8 warps, latents of 512 + 64, writing the output
 itself with one split or float32 partials + log2-sum-exp for the merge.
 """
@@ -25,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from sglx.attention.kernels.common import E4M3_TO_BF16_SCALED_PTX
 from sglx.attention.kernels.mla_decode import _program_keys
 
 # builtins renamed after Triton 3.6 (the lent GPU's): the CTA-wide barrier and the cp.async copy
@@ -50,20 +52,33 @@ def _issue_tile(lat_buf, pe_buf, Kv_Buf, slots, rows_valid, stride_kt,
 
 @gluon.jit
 def _tile_operands(lat_buf, pe_buf, lat_cvt, pe_cvt, dtype: gl.constexpr, FMT: gl.constexpr, R: gl.constexpr):
-    """The tile's latent and rope rows as wgmma operands: the landed buffers themselves, or (fp8 bits, FMT 1/2)
+    """The tile's latent and rope rows as wgmma operands: the landed buffers themselves, or (fp8 bits, FMT 1-3)
     their values in `dtype`, written 128 columns at a time into the one 16-bit tile (the caller fences and syncs)."""
     if FMT == 0:
         lat, pe = lat_buf, pe_buf
     else:
         cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-        fp8: gl.constexpr = gl.float8e4nv if FMT == 1 else gl.float8e5
         for c in gl.static_range(R // 128):
             bits = lat_buf.slice(c * 128, 128, dim=1).load(cvt_layout)
-            lat_cvt.slice(c * 128, 128, dim=1).store(bits.to(fp8, bitcast=True).to(dtype))
+            lat_cvt.slice(c * 128, 128, dim=1).store(_fp8_bits_to(bits, dtype, FMT))
         bits = pe_buf.load(gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))  # exactly [64, 64], no copies
-        pe_cvt.store(bits.to(fp8, bitcast=True).to(dtype))
+        pe_cvt.store(_fp8_bits_to(bits, dtype, FMT))
         lat, pe = lat_cvt, pe_cvt
     return lat, pe
+
+
+@gluon.jit
+def _fp8_bits_to(bits, dtype: gl.constexpr, FMT: gl.constexpr):
+    """fp8 bits in `dtype`: FMT 1 / 2 cast from e4m3 / e5m2 (F2FP to float16, then F2F to bfloat16: the SM's
+    quarter-rate conversion unit, per value); FMT 3 (e4m3 into bfloat16) by integer bit moves at 2**-120 of the
+    value (common.e4m3_bits_to_bf16_scaled: exact, subnormals included), the caller taking the scale back."""
+    if FMT == 3:
+        vals = gl.inline_asm_elementwise(E4M3_TO_BF16_SCALED_PTX, "=r,=r,r", [bits], dtype=gl.bfloat16, is_pure=True,
+                                         pack=4)
+    else:
+        fp8: gl.constexpr = gl.float8e4nv if FMT == 1 else gl.float8e5
+        vals = bits.to(fp8, bitcast=True).to(dtype)
+    return vals
 
 
 @gluon.jit
@@ -143,6 +158,9 @@ def _mla_decode_stage1_gluon(
         pe_cols = gl.arange(0, DR, layout=gl.SliceLayout(0, pe_layout))
         q_pe = gl.load(Q_pe + b.to(gl.int64) * stride_pt + pe_heads[:, None] * stride_ph + pe_cols[None, :],
                        mask=(pe_heads[:, None] < H) & (pe_cols[None, :] < DR), other=0.0)
+        if FMT == 3:  # latents arrive at 2**-120 of their values: q takes 2**64 (exact), qk_scale the other 2**56
+            q_lat = (q_lat.to(gl.float32) * 18446744073709551616.0).to(dtype)
+            q_pe = (q_pe.to(gl.float32) * 18446744073709551616.0).to(dtype)
         q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, R], lat_smem, q_lat)
         q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, DR], lat_smem, q_pe)
 
@@ -150,6 +168,7 @@ def _mla_decode_stage1_gluon(
         l_tile = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        P_LIFT: gl.constexpr = 64.0 if FMT == 3 else 0.0
         key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         for it in range(n_tiles):
             buf = it % 2
@@ -171,7 +190,9 @@ def _mla_decode_stage1_gluon(
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where((start + key_cols < hi)[None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            p = gl.exp2(s * qk_scale - m_new[:, None])
+            # FMT 3: weights at 2**64 (P_LIFT) so their products with the 2**-120 latents stay clear of float32
+            # subnormals; l carries the same factor, so acc / l loses it and only v_scale's 2**120 remains
+            p = gl.exp2(s * qk_scale - (m_new[:, None] - P_LIFT))
             alpha = gl.exp2(m_i - m_new)
             l_tile = l_tile * alpha[:, None] + p  # summed over keys once, after the loop: no cross-warpgroup sum
             m_i = m_new
@@ -179,5 +200,5 @@ def _mla_decode_stage1_gluon(
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, lat, acc)  # synchronous: see the module docstring
         l_i = gl.sum(l_tile, 1)
-        _store_result(acc, l_i, m_i, v_scale, Out, Mid_O, Mid_Lse, b, split, head_block, stride_out_b, stride_out_h,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, H, R, 0, SINGLE, True)
+        _store_result(acc, l_i, m_i - P_LIFT, v_scale, Out, Mid_O, Mid_Lse, b, split, head_block, stride_out_b,
+                      stride_out_h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, H, R, 0, SINGLE, True)
