@@ -23,9 +23,7 @@ from sglx.attention.kernels.common import num_sms
 from sglx.attention.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_num_splits, resolve_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep_mla_small_batch import flashinfer_call  # noqa: E402
-
-R, DR = 512, 64
+from sweep_mla_small_batch import DR, R, flashinfer_call, random_case  # noqa: E402
 
 
 def kernel_times(call, layers: int) -> dict:  # noqa: ANN001 - call(layer) launches one layer's decode
@@ -49,14 +47,8 @@ def kernel_times(call, layers: int) -> dict:  # noqa: ANN001 - call(layer) launc
 
 def profile_batch(batch: int, heads: int, context: int, layers: int, device: torch.device,
                   with_flashinfer: bool) -> dict:
-    gen = torch.Generator(device=device).manual_seed(0)
-    dt = torch.bfloat16
-    slots = batch * context + 1
-    kv = torch.randn(layers, slots, 1, R + DR, device=device, dtype=dt, generator=gen)
-    kv_indices = (torch.randperm(slots - 1, device=device, generator=gen) + 1).int()
-    kv_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * context
-    q = torch.randn(batch, heads, R, device=device, dtype=dt, generator=gen)
-    q_pe = torch.randn(batch, heads, DR, device=device, dtype=dt, generator=gen)
+    kv, kv_indices, kv_indptr, q, q_pe = random_case(batch, heads, context, layers, device)
+    dt = q.dtype
     config = resolve_config(MLADecodeConfig(), heads, False, device)
     splits = mla_num_splits(batch, heads, context, num_sms(device), config)
     out = torch.empty(batch, heads, R, device=device, dtype=dt)

@@ -59,8 +59,9 @@ def flashinfer_call(q: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_in
     return call
 
 
-def run_case(batch: int, heads: int, context: int, layers: int, configs: list[MLADecodeConfig],
-             device: torch.device, flashinfer: bool = True) -> dict:
+def random_case(batch: int, heads: int, context: int, layers: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(kv [layers, slots, 1, R + DR], kv_indices, kv_indptr, q, q_pe): bf16, each request `context` keys on
+    shuffled slots of every layer's own latent buffer (no L2 reuse between layers), seed 0."""
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
     slots = batch * context + 1
@@ -69,6 +70,13 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
     kv_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * context
     q = torch.randn(batch, heads, R, device=device, dtype=dt, generator=gen)
     q_pe = torch.randn(batch, heads, DR, device=device, dtype=dt, generator=gen)
+    return kv, kv_indices, kv_indptr, q, q_pe
+
+
+def run_case(batch: int, heads: int, context: int, layers: int, configs: list[MLADecodeConfig],
+             device: torch.device, flashinfer: bool = True) -> dict:
+    kv, kv_indices, kv_indptr, q, q_pe = random_case(batch, heads, context, layers, device)
+    dt = q.dtype
     scale = (128 + 64) ** -0.5
     lat = kv[0, kv_indices.long(), 0].double().view(batch, context, R + DR)
     scores = torch.einsum("bhd,bld->bhl", torch.cat([q, q_pe], -1).double(), lat) * scale
