@@ -74,7 +74,7 @@ def random_case(batch: int, heads: int, context: int, layers: int, device: torch
 
 
 def run_case(batch: int, heads: int, context: int, layers: int, configs: list[MLADecodeConfig],
-             device: torch.device, flashinfer: bool = True) -> dict:
+             device: torch.device, flashinfer: bool = True, partials: torch.dtype = torch.float32) -> dict:
     kv, kv_indices, kv_indptr, q, q_pe = random_case(batch, heads, context, layers, device)
     dt = q.dtype
     scale = (128 + 64) ** -0.5
@@ -86,15 +86,15 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
         resolved = resolve_config(config, heads, False, device)
         splits = mla_num_splits(batch, heads, context, num_sms(device), resolved)
         out = torch.empty(batch, heads, R, device=device, dtype=dt)
-        mid_o = torch.empty(batch, heads, splits, R, device=device, dtype=torch.float32)
+        mid_o = torch.empty(batch, heads, splits, R, device=device, dtype=partials)
         mid_lse = torch.empty(batch, heads, splits, device=device, dtype=torch.float32)
 
         def call(layer: int, resolved=resolved, out=out, mid_o=mid_o, mid_lse=mid_lse) -> torch.Tensor:
             return mla_decode_attention(q, kv[layer], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, R,
                                         config=resolved, q_pe=q_pe)
 
-        row: dict = dict(config=asdict(resolved), splits=splits, chunk=split_chunk(resolved, batch, heads),
-                         default=config == MLADecodeConfig())
+        row: dict = dict(config=asdict(resolved), partials=str(partials), splits=splits,
+                         chunk=split_chunk(resolved, batch, heads), default=config == MLADecodeConfig())
         row.update(checked_us_in_graph(call, layers, want, 3e-2, device))
         rows.append(row)
     timed = sorted((r for r in rows if "us_per_call" in r), key=lambda r: r["us_per_call"])
@@ -107,7 +107,8 @@ def run_case(batch: int, heads: int, context: int, layers: int, configs: list[ML
         except Exception as exc:  # noqa: BLE001 - a baseline that does not import or plan is reported, not fatal
             fi = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     fi_text = f"{fi['us_per_call']:.2f} us" if "us_per_call" in fi else fi.get("error", "not run")
-    print(f"batch {batch} heads {heads} context {context}: default {default.get('us_per_call', float('nan')):.2f} us "
+    print(f"batch {batch} heads {heads} context {context} {partials}: "
+          f"default {default.get('us_per_call', float('nan')):.2f} us "
           f"a call, splits {default.get('splits')}; FlashInfer {fi_text}", flush=True)
     for r in timed[:6]:
         c = r["config"]
@@ -124,6 +125,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--sweep", nargs="*", default=[])
     parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's MLA row")
+    parser.add_argument("--partials", default="float32", help="dtypes of the splits' partial outputs, each timed "
+                        "(e.g. float32,bfloat16)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs = [MLADecodeConfig()]
@@ -137,8 +140,9 @@ def main() -> None:
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), cases=[])
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            report["cases"].append(run_case(batch, args.heads, context, args.layers, configs, device,
-                                            not args.no_flashinfer))
+            for i, partials in enumerate(p for p in args.partials.split(",") if p):
+                report["cases"].append(run_case(batch, args.heads, context, args.layers, configs, device,
+                                                not args.no_flashinfer and i == 0, getattr(torch, partials)))
             if args.out:
                 args.out.write_text(json.dumps(report, indent=1))
 

@@ -100,19 +100,19 @@ def _per_head_gemv() -> tuple:
     return kernel_source(_per_head_gemv_kernel, dict(BLOCK_T=16, BLOCK_K=128, BLOCK_N=64, IEEE=False), ptrs), 4, 3
 
 
-def _mla_gluon_launch(fn, warps: int, kv: str = BF16, **consts) -> tuple:
+def _mla_gluon_launch(fn, warps: int, kv: str = BF16, partials: str = "*fp32", **consts) -> tuple:
     """A Gluon MLA stage-1 kernel (both share one argument list) at DeepSeek-V3's shape."""
-    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": kv, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": "*fp32",
+    ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": kv, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": partials,
             "Mid_Lse": "*fp32", "Out": BF16}
     consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, **consts)
     div16 = [n for n in fn.arg_names if n.startswith("stride_")]
     return gluon_source(fn, consts, ptrs, ("qk_scale", "v_scale"), div16), warps, 1
 
 
-def _mla_stage1_gluon(single: bool, fmt: int = 0) -> tuple:
+def _mla_stage1_gluon(single: bool, fmt: int = 0, partials: str = "*fp32") -> tuple:
     from sglx.attention.kernels.mla_decode_gluon import _mla_decode_stage1_gluon
 
-    return _mla_gluon_launch(_mla_decode_stage1_gluon, 8, "*u8" if fmt else BF16, SINGLE=single, FMT=fmt)
+    return _mla_gluon_launch(_mla_decode_stage1_gluon, 8, "*u8" if fmt else BF16, partials, SINGLE=single, FMT=fmt)
 
 
 def _mla_stage1_seesaw(single: bool) -> tuple:
@@ -188,6 +188,7 @@ VARIANTS = {
     "mla stage 1, 64-head wide, fp8": lambda: _mla_stage1(False, True, 64),
     "mla stage 1, Gluon 64-head, splits": lambda: _mla_stage1_gluon(False),
     "mla stage 1, Gluon 64-head, one split": lambda: _mla_stage1_gluon(True),
+    "mla stage 1, Gluon 64-head, bf16 partials": lambda: _mla_stage1_gluon(False, partials=BF16),
     "mla stage 1, Gluon 64-head, fp8 e4m3 latents": lambda: _mla_stage1_gluon(False, 1),
     "mla stage 1, Gluon 64-head, e4m3 latents by bit moves": lambda: _mla_stage1_gluon(False, 3),
     "mla stage 1, Gluon 64-head, e4m3 by bit moves, one split": lambda: _mla_stage1_gluon(True, 3),

@@ -83,6 +83,31 @@ def test_mla_decode_kernel_matches_float64(page, heads, r, dr, splits, kv_cache_
         assert (out[i].double() - ref).abs().max().item() < 2e-5, i
 
 
+def test_stage1_writes_partials_in_the_scratch_dtype():
+    """bfloat16 partial outputs (half the bytes stage 1 writes and the merge reads): stage 1 rounds each split's
+    normalised output into the scratch's dtype and the merge sums in float32; three splits, float64 reference."""
+    lens, page, heads, r, dr, splits = [1, 37, 90], 4, 16, 64, 8, 3
+    c = Latents(lens, page, r, dr, torch.float32, seed=2)
+    for i, n in enumerate(lens):
+        c.store(i, 0, n)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    kv_indices = torch.zeros(sum(lens), dtype=torch.int32)
+    build_kv_indices(c.r2t.req_to_token, torch.tensor(c.rows), kv_indptr, kv_indices)
+    q = torch.randn(len(lens), heads, r + dr, generator=c.gen)
+    out = torch.full((len(lens), heads, r), float("nan"))
+    mid_o = torch.full((len(lens), heads, splits, r), float("nan"), dtype=torch.bfloat16)
+    scale = 0.8 * (r + dr) ** -0.5
+    mid_lse = torch.empty(len(lens), heads, splits)
+    mla_decode_attention(q, c.pool.kv_buffer[0], out, kv_indptr, kv_indices, mid_o, mid_lse, scale, r,
+                         config=MLADecodeConfig(min_chunk=16), interpret=True)
+    assert not mid_o[2].isnan().any()  # the 90-key request used every split
+    for i, n in enumerate(lens):
+        lat = c.stored(i, n)
+        ref = torch.softmax(torch.einsum("hd,ld->hl", q[i].double(), lat) * scale, -1) @ lat[:, :r]
+        err = (out[i].double() - ref).abs().max().item()
+        assert err < 1e-2 * max(1.0, ref.abs().max().item()), (i, err)
+
+
 @pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8_e4m3", torch.float16), ("fp8_e5m2", torch.float32)])
 def test_wide_launch_takes_fp8_latents(kv_cache_dtype, dtype):
     """The 64-head launch (`wide_launch`: what bf16 gets on SM90) on fp8 latents: 70 heads (a full and a masked
@@ -113,8 +138,9 @@ def test_wide_launch_takes_fp8_latents(kv_cache_dtype, dtype):
         assert (out[i].double() - ref).abs().max().item() < (4e-3 if dtype == torch.float16 else 2e-5), i
 
 
+@pytest.mark.parametrize("partials", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_hm,block_dv", [(1, 32), (4, 64), (8, 128)])
-def test_merge_kernel_matches_float64_at_each_program_shape(block_hm, block_dv):
+def test_merge_kernel_matches_float64_at_each_program_shape(block_hm, block_dv, partials):
     """Stage 2 on its own, at head x column blocks `merge_launch` can pick (12 heads: a masked head block at 8;
     latent 80: masked columns at 64 and 128): out = sum_s 2**lse_s o_s / sum_s 2**lse_s over the splits that hold
     keys (a 20-key request two of three, a 1-key one one), float64 reference, NaN in the unused partials."""
@@ -123,7 +149,7 @@ def test_merge_kernel_matches_float64_at_each_program_shape(block_hm, block_dv):
     lens, heads, r, splits, min_chunk, block_n = [20, 1, 90], 12, 80, 3, 16, 16
     gen = torch.Generator().manual_seed(5)
     kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
-    mid_o = torch.randn(len(lens), heads, splits, r, generator=gen)
+    mid_o = torch.randn(len(lens), heads, splits, r, generator=gen).to(partials)  # bf16: summed in float32
     mid_lse = torch.randn(len(lens), heads, splits, generator=gen) * 4
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)

@@ -163,7 +163,7 @@ def _mla_merge_kernel(Mid_O, Mid_Lse, Out, Kv_Indptr, max_splits, min_chunk,
     weights = tl.where(valid, tl.exp2(lse - tl.max(lse, 1)[:, None]), 0.0)
     rows = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + splits[None, :] * stride_os
     parts = tl.load(rows[:, :, None] + offs_dv[None, None, :], mask=valid[:, :, None] & dv_mask[None, None, :],
-                    other=0.0)  # [heads, splits, cols]
+                    other=0.0).to(tl.float32)  # [heads, splits, cols]
     out = tl.sum(parts * weights[:, :, None], 1) / tl.maximum(tl.sum(weights, 1), 1.0e-30)[:, None]
     tl.store(Out + b.to(tl.int64) * stride_out_t + heads[:, None] * stride_out_h + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=(heads < H)[:, None] & dv_mask[None, :])
@@ -265,7 +265,7 @@ def _mla_decode_stage1(
             tl.store(o_row + offs_r[None, :], out.to(Out.dtype.element_ty), mask=head_mask[:, None] & r_mask[None, :])
         else:
             o_row = Mid_O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
-            tl.store(o_row + offs_r[None, :], out, mask=head_mask[:, None] & r_mask[None, :])
+            tl.store(o_row + offs_r[None, :], out.to(Mid_O.dtype.element_ty), mask=head_mask[:, None] & r_mask[None, :])
             tl.store(Mid_Lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=head_mask)
 
 

@@ -98,7 +98,7 @@ def _store_result(acc, l_i, m_i, v_scale, Out, Mid_O, Mid_Lse, b, split, head_bl
         gl.store(o_row + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
     else:
         o_row = Mid_O + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
-        gl.store(o_row + cols[None, :], out, mask=mask)
+        gl.store(o_row + cols[None, :], out.to(Mid_O.dtype.element_ty), mask=mask)
         if LSE:
             lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=l_i.type.layout)
             gl.store(Mid_Lse + b * stride_lb + lse_heads * stride_lh + split, m_i + gl.log2(l_i), mask=lse_heads < H)
