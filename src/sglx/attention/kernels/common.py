@@ -147,17 +147,24 @@ def bits_k_applies(fmt: int, q_dtype: torch.dtype) -> bool:
     return fmt == 1 and q_dtype == torch.bfloat16
 
 
+# The bit-move contract, shared by decode/extend (`bits_k_query`, `bits_k_scores`) and the Gluon MLA kernel (which
+# cannot call @triton.jit helpers): moved values are 2**-120 of the real ones; queries take BITS_K_Q_LIFT (exact), so
+# their products with moved keys stay clear of float32's subnormals, and the scores still owe BITS_K_SCORE_SCALE.
+BITS_K_VALUE_SCALE = 2.0 ** 120
+BITS_K_Q_LIFT = tl.constexpr(2.0 ** 64)
+BITS_K_SCORE_SCALE = tl.constexpr(BITS_K_VALUE_SCALE / 2.0 ** 64)
+
+
 @triton.jit
 def bits_k_query(q):
-    """q for keys from `e4m3_bits_to_bf16_scaled`: times 2**64 (exact), which keeps its products with keys at
-    2**-120 of their values clear of float32's subnormals."""
-    return (q.to(tl.float32) * 18446744073709551616.0).to(q.dtype)
+    """q for keys from `e4m3_bits_to_bf16_scaled`: times BITS_K_Q_LIFT, 2**64 (exact)."""
+    return (q.to(tl.float32) * BITS_K_Q_LIFT).to(q.dtype)
 
 
 @triton.jit
 def bits_k_scores(qk):
-    """Scores of a `bits_k_query` against bit-moved keys, back to their values: the remaining 2**56 (exact)."""
-    return qk * 72057594037927936.0
+    """Scores of a `bits_k_query` against bit-moved keys, back to their values: BITS_K_SCORE_SCALE, 2**56 (exact)."""
+    return qk * BITS_K_SCORE_SCALE
 
 
 @triton.jit

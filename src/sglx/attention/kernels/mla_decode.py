@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import (
+    BITS_K_SCORE_SCALE,
+    BITS_K_VALUE_SCALE,
     LOG2E,
     bits_k_applies,
     dot,
@@ -312,9 +314,9 @@ def _gluon_stage1(q: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, 
     `_mla_decode_stage1`; `use_gluon` said it fits. Both Gluon kernels take the same arguments."""
     bs, h, r = q.shape
     fmt = kv_format(fp8_dtype)
-    if not seesaw and bits_k_applies(fmt, q.dtype):  # e4m3 latents moved into bfloat16 by bits, at 2**-120 (FMT 3):
-        fmt = 3  # the kernel lifts q by 2**64, so the scores owe 2**56; its outputs owe 2**120
-        qk_scale, v_scale = qk_scale * 2.0 ** 56, v_scale * 2.0 ** 120
+    if bits_k_applies(fmt, q.dtype):  # e4m3 latents moved into bfloat16 by bits (FMT 3; seesaw takes 16-bit only):
+        fmt = 3  # the kernel lifts q, so the scores owe BITS_K_SCORE_SCALE; its outputs owe all of BITS_K_VALUE_SCALE
+        qk_scale, v_scale = qk_scale * BITS_K_SCORE_SCALE.value, v_scale * BITS_K_VALUE_SCALE
     args = (q, q_pe, kv_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out, qk_scale, v_scale, max_splits, min_chunk,
             q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_buffer.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

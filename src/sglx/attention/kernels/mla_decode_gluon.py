@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from sglx.attention.kernels.common import E4M3_TO_BF16_SCALED_PTX
+from sglx.attention.kernels.common import BITS_K_Q_LIFT, E4M3_TO_BF16_SCALED_PTX
 from sglx.attention.kernels.mla_decode import _program_keys
 
 # builtins renamed after Triton 3.6 (the lent GPU's): the CTA-wide barrier and the cp.async copy
@@ -158,9 +158,9 @@ def _mla_decode_stage1_gluon(
         pe_cols = gl.arange(0, DR, layout=gl.SliceLayout(0, pe_layout))
         q_pe = gl.load(Q_pe + b.to(gl.int64) * stride_pt + pe_heads[:, None] * stride_ph + pe_cols[None, :],
                        mask=(pe_heads[:, None] < H) & (pe_cols[None, :] < DR), other=0.0)
-        if FMT == 3:  # latents arrive at 2**-120 of their values: q takes 2**64 (exact), qk_scale the other 2**56
-            q_lat = (q_lat.to(gl.float32) * 18446744073709551616.0).to(dtype)
-            q_pe = (q_pe.to(gl.float32) * 18446744073709551616.0).to(dtype)
+        if FMT == 3:  # latents arrive at 2**-120 of their values: q takes BITS_K_Q_LIFT, qk_scale the rest
+            q_lat = (q_lat.to(gl.float32) * BITS_K_Q_LIFT).to(dtype)
+            q_pe = (q_pe.to(gl.float32) * BITS_K_Q_LIFT).to(dtype)
         q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, R], lat_smem, q_lat)
         q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, DR], lat_smem, q_pe)
 
