@@ -1,10 +1,13 @@
-"""nn.Linear whose few-row (decode) products stream the weights through sglx's skinny Triton GEMM.
+"""nn.Linear whose decode products stream the weights through sglx's own Triton kernels.
 
-Same parameters and state-dict names as nn.Linear, so checkpoints load unchanged. The skinny path runs
-only where it was measured to help (layers built with skinny=True: o_proj and the LM head, see
-sglx.llm.kernels.skinny_gemm) for CUDA tensors in bf16/fp16 with at most MAX_ROWS rows, fused kernels
-switched on (`SGLX_FUSED_KERNELS`) and `SGLX_SKINNY_GEMM` not 0; everything else, CPU included, is
-F.linear.
+Same parameters and state-dict names as nn.Linear, so checkpoints load unchanged. For CUDA tensors in bf16/fp16
+with fused kernels switched on (`SGLX_FUSED_KERNELS`):
+- one row (a batch-1 decode step) goes to the CUDA-core GEMV (sglx.llm.kernels.gemv) for every projection, unless
+  `SGLX_GEMV` is 0: in CUDA graphs on the H200 it was faster than cuBLAS at every Llama-3.1-8B and
+  DeepSeek-V2-Lite projection shape (bench_gemv.py, session 23);
+- up to MAX_ROWS rows go to the skinny GEMM where it was measured to help (layers built with skinny=True: o_proj
+  and the LM head, see sglx.llm.kernels.skinny_gemm) unless `SGLX_SKINNY_GEMM` is 0.
+Everything else, CPU included, is F.linear.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from sglx.llm.kernels import use_fused
 
 SKINNY_ROWS = 16  # = sglx.llm.kernels.skinny_gemm.MAX_ROWS (that module imports triton)
 _HALF = (torch.bfloat16, torch.float16)
-_SKINNY_ON = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in ("0", "false", "off", "no")
+_OFF = ("0", "false", "off", "no")
+_SKINNY_ON = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in _OFF
+_GEMV_ON = os.environ.get("SGLX_GEMV", "1").strip().lower() not in _OFF
+
+
+def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T may go to the one-row GEMV: a single CUDA half-precision row, fused kernels on."""
+    return (_GEMV_ON and x.numel() == x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
+            and weight.stride(-1) == 1 and use_fused(x))
 
 
 def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -30,7 +41,11 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True
            ) -> torch.Tensor:
-    """F.linear, or (skinny=True) the skinny GEMM for a decode-sized CUDA half-precision input."""
+    """F.linear, the GEMV for one CUDA half-precision row, or (skinny=True) the skinny GEMM for a few."""
+    if gemv_eligible(x, weight) and (bias is None or bias.dtype == x.dtype):
+        from sglx.llm.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)[0]
     if skinny and skinny_eligible(x, weight):
         from sglx.llm.kernels.skinny_gemm import skinny_linear
 
@@ -39,7 +54,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear; `skinny=True` layers (shapes where the skinny GEMM measured faster) use it for decode."""
+    """nn.Linear through `linear`: one-row products take the GEMV; `skinny=True` layers (shapes where the skinny
+    GEMM measured faster) take it for a few rows."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, skinny: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.kernels import use_fused
+from sglx.llm.layers.linear import Linear
 from sglx.llm.layers.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
@@ -20,19 +21,22 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  tp: TensorParallel | None = None) -> None:
         """tp: split the intermediate features over tensor-parallel ranks (gate/up column-, down row-parallel,
-        one all-reduce of the output); None keeps plain nn.Linear layers."""
+        one all-reduce of the output); None keeps single-device `Linear` layers."""
         super().__init__()
         if tp is None:
             self.intermediate_size = intermediate_size
-            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+            self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
             return
         self.intermediate_size = tp.split(intermediate_size)[1]
         self.gate_up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size] * 2, bias, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its gate_up product (callers that fuse the norm into that product start here)."""
         if use_fused(gate_up):
             from sglx.llm.kernels.activation import silu_and_mul
 

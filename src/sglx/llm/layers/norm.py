@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sglx.llm.kernels import use_fused
+from sglx.llm.layers.linear import gemv_eligible, linear
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +34,22 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(delta, residual, self.weight, self.eps)
         updated = residual + delta
         return self._torch(updated), updated
+
+    def norm_linear(self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(residual + delta)), residual + delta), or with no residual (the first layer's input)
+        (linear(norm(delta)), delta). One GEMV kernel for a one-row CUDA step (the norm inside it, without the
+        normed row's two roundings to the input dtype); otherwise the norm, then `linear`."""
+        same = all(t is None or t.dtype == delta.dtype for t in (self.weight, residual, bias))
+        if same and gemv_eligible(delta, weight):
+            from sglx.llm.kernels.gemv import NormInput, gemv
+
+            y, updated = gemv(delta, weight, bias, NormInput(self.weight, self.eps, residual))
+            return y, (delta if updated is None else updated)
+        if residual is None:
+            return linear(self(delta), weight, bias), delta
+        h, updated = self.add_and_norm(delta, residual)
+        return linear(h, weight, bias), updated
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -128,6 +128,9 @@ class ColumnParallelLinear(nn.Linear):
     def local_sizes(self) -> list[int]:
         return [length for _, (_, length) in self.parts]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, skinny=False)
+
     def load_part(self, leaf: str, part: int, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of part `part` of the full checkpoint tensor (weight or bias)."""
         full, (start, length) = self.parts[part]

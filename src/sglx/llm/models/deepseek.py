@@ -15,7 +15,6 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
@@ -99,28 +98,39 @@ class DeepseekMLAttention(nn.Module):
                     lin.bias.data = part
         self._fused_in = (weight, bias)
 
-    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once fuse_input_projections ran, as long as
-        the parameters still view the fused weight (a `.to()` of the module gives them new storage: two GEMMs then,
-        never the stale copy)."""
+    def fused_input_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) of q_proj (or q_a_proj) and kv_a_proj_with_mqa as one product, once
+        fuse_input_projections ran and while the parameters still view it (a `.to()` of the module gives them new
+        storage: None then, so callers run two GEMMs, never the stale copy)."""
         fused = self._fused_in
         if fused is None or fused[0].data_ptr() != self._q_in_proj.weight.data_ptr():
-            return self._q_in_proj(x), self.kv_a_proj_with_mqa(x)
-        weight, bias = fused
-        latent = self.mla.latent_dim
-        return F.linear(x, weight, bias).split([weight.shape[0] - latent, latent], dim=-1)
+            return None
+        return fused
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        fused = self.fused_input_weight()
+        if fused is None:
+            return self.attend(self._q_in_proj(x), self.kv_a_proj_with_mqa(x), cos, sin, batch)
+        return self.attend_fused(linear(x, *fused, skinny=False), cos, sin, batch)
+
+    def attend_fused(self, q_kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+                     ) -> torch.Tensor:
+        """The layer after the fused input product (the decoder layer may fold the input norm into it)."""
+        q, kv_a = q_kv_a.split([q_kv_a.shape[-1] - self.mla.latent_dim, self.mla.latent_dim], dim=-1)
+        return self.attend(q, kv_a, cos, sin, batch)
+
+    def attend(self, q: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: ForwardBatch) -> torch.Tensor:
+        """The layer from q_proj(x) (or q_a_proj(x)) and kv_a_proj_with_mqa(x) on."""
         spec, mla = self.spec, self.mla
-        tokens = x.shape[0]
-        q, kv_a = self._input_projections(x)
+        tokens = q.shape[0]
         if mla.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(tokens, spec.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         stored = False
-        if use_fused(x):  # one launch, in place, bit-identical to the torch path below; with an MLA pool it also
+        if use_fused(q):  # one launch, in place, bit-identical to the torch path below; with an MLA pool it also
             from sglx.llm.kernels.mla_rotary import apply_mla_rotary_  # norms c_kv and stores the latent row
 
             pool = batch.token_kv_pool
@@ -160,16 +170,23 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
+        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm (and,
+        at one row, the norms into the GEMVs after them: `RMSNorm.norm_linear`)."""
+        fused = self.self_attn.fused_input_weight()
+        if fused is not None:
+            q_kv_a, residual = self.input_layernorm.norm_linear(x, residual, *fused)
+            attn = self.self_attn.attend_fused(q_kv_a, cos, sin, batch)
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn = self.self_attn(h, cos, sin, batch)
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm.add_and_norm(x, residual)
+            attn = self.self_attn(h, cos, sin, batch)
         if isinstance(self.mlp, DeepseekMoE):  # the post-attention norm may run inside its router
             return self.mlp.forward_after_norm(attn, residual, self.post_attention_layernorm)
-        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(h), residual
+        proj = self.mlp.gate_up_proj
+        gate_up, residual = self.post_attention_layernorm.norm_linear(attn, residual, proj.weight, proj.bias)
+        return self.mlp.down(gate_up), residual
 
 
 class DeepseekModel(DecoderBody):

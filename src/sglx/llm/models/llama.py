@@ -5,7 +5,8 @@ The variants differ only in switches read from ModelConfig: qkv bias (Qwen2), pe
 projections are fused into single matmuls (one launch each per layer); `load_weights` maps Hugging
 Face's separate tensors into the fused ones. Each residual add is folded into the RMSNorm after it
 (`RMSNorm.add_and_norm`), so on CUDA a layer is GEMMs, attention and four fused Triton kernels
-(two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); CPU runs the same math in torch.
+(two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); at one row (batch-1 decode) both add+norms
+run inside the GEMVs of qkv and gate_up (`RMSNorm.norm_linear`). CPU runs the same math in torch.
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ class LlamaSelfAttention(nn.Module):
         return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), cos, sin, batch)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layer after its qkv product (the decoder layer fuses the input norm into that product)."""
         spec = self.attn.spec
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, spec.num_q_heads, spec.head_dim)
         k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -101,12 +106,12 @@ class LlamaDecoderLayer(nn.Module):
 
         x is the previous layer's MLP output (added to `residual` here), or the embeddings when residual is None.
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos, sin, batch), residual)
-        return self.mlp(h), residual
+        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        qkv, residual = self.input_layernorm.norm_linear(x, residual, qkv_proj.weight, qkv_proj.bias)
+        attn = self.self_attn.attend(qkv, cos, sin, batch)
+        gate_up, residual = self.post_attention_layernorm.norm_linear(attn, residual, gate_up_proj.weight,
+                                                                      gate_up_proj.bias)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(DecoderBody):
