@@ -47,21 +47,15 @@ def _impls(name: str, ws: list[torch.Tensor], sweep: bool, gen: torch.Generator
     for cfg in ([GemvConfig(), *SWEEP] if sweep else [GemvConfig()]):
         impls[f"gemv {cfg.block_n},{cfg.block_k},{cfg.num_warps}"] = (
             lambda i, cfg=cfg: gemv(x, ws[i], config=cfg)[0], want)
-    impls["gemv pdl"] = (lambda i: gemv(x, ws[i], config=GemvConfig(pdl=True))[0], want)
     if name not in NORMED:
         return impls
     r = torch.randn(1, k, generator=gen, device=DEV).bfloat16()
     g = (1 + 0.1 * torch.randn(k, generator=gen, device=DEV)).bfloat16()
     normed = (fused_add_rms_norm(x, r, g, EPS)[0].double() @ ws[0].double().t()).float()
-    pdl = GemvConfig(pdl=True)
     impls.update({
         "norm kernel + cublas": (lambda i: F.linear(fused_add_rms_norm(x, r, g, EPS)[0], ws[i]), normed),
         "norm kernel + gemv": (lambda i: gemv(fused_add_rms_norm(x, r, g, EPS)[0], ws[i])[0], normed),
-        "gemv add+norm exact": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r))[0], normed),
-        "gemv add+norm fast": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r, exact=False))[0], normed),
-        "gemv add+norm exact pdl": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r), config=pdl)[0], normed),
-        "gemv add+norm fast pdl": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r, exact=False),
-                                                  config=pdl)[0], normed)})
+        "gemv add+norm inside": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r))[0], normed)})
     return impls
 
 
@@ -96,7 +90,7 @@ def main() -> None:
               f"{us['gemv None,None,None']:.2f};"
               f" best {best[1]} {best[0]:.2f} us ({nbytes / best[0] / 1e6 / (bw / 1e12):.0%} of copy)", flush=True)
         for label, row in rows.items():
-            if label == "gemv pdl" or "norm" in label:
+            if "norm" in label:
                 print(f"    {label:24s} {row.get('us_per_call', float('nan')):.2f} us {row.get('error', '')}",
                       flush=True)
         if args.out:

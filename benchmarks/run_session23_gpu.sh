@@ -39,6 +39,8 @@ for stage in "$@"; do
           done
         done
       done ;;
+    gemvnorm) PYTHONPATH=$PWD/src timeout 200 python3 benchmarks/bench_gemv.py --shapes "llama qkv,llama gate_up,v2-lite q+kv_a" \
+                --out "$WORK/gemv_norm.json" 2>&1 | grep -v Warn | cut -c1-200 ;;
     *) echo "unknown stage $stage" ;;
   esac
   tar -czf "$OUT/s23.tgz" -C "$WORK" . 2>/dev/null

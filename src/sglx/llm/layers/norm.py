@@ -12,6 +12,11 @@ from torch import nn
 from sglx.llm.kernels import use_fused
 from sglx.llm.layers.linear import gemv_eligible, linear
 
+# Rows up to this wide take the norm inside the GEMV. Measured in graphs on the H200 (bench_gemv.py, session 23):
+# DeepSeek-V2-Lite's q + kv_a (2,048 inputs) 7.80 us against 8.79 for the norm kernel then the GEMV; Llama-3.1-8B's
+# qkv and gate_up (4,096) 22.96 / 68.45 us against 18.62 / 63.91, so there the norm stays a kernel of its own.
+NORM_INSIDE_MAX_INPUTS = 2048
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -38,10 +43,11 @@ class RMSNorm(nn.Module):
     def norm_linear(self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(residual + delta)), residual + delta), or with no residual (the first layer's input)
-        (linear(norm(delta)), delta). One GEMV kernel for a one-row CUDA step (the norm inside it, without the
-        normed row's two roundings to the input dtype); otherwise the norm, then `linear`."""
+        (linear(norm(delta)), delta). One GEMV kernel for a one-row CUDA step of at most NORM_INSIDE_MAX_INPUTS
+        features (the norm inside it, without the normed row's two roundings to the input dtype); otherwise the
+        norm, then `linear`."""
         same = all(t is None or t.dtype == delta.dtype for t in (self.weight, residual, bias))
-        if same and gemv_eligible(delta, weight):
+        if same and weight.shape[1] <= NORM_INSIDE_MAX_INPUTS and gemv_eligible(delta, weight):
             from sglx.llm.kernels.gemv import NormInput, gemv
 
             y, updated = gemv(delta, weight, bias, NormInput(self.weight, self.eps, residual))
