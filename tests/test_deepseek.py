@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llm_test_utils import PagedKVHarness, hf_greedy, load_hf_model, make_tiny_model
 from sglx.errors import BackendUnavailableError, SglxError
@@ -108,7 +109,9 @@ def test_input_projections_are_one_gemm_over_views_of_one_weight(workdir: Path, 
     assert q_lin.weight.data_ptr() == fused.data_ptr()
     assert attn.kv_a_proj_with_mqa.weight.data_ptr() == fused[q_lin.weight.shape[0]:].data_ptr()
     x = torch.randn(3, fused.shape[1])
-    q, kv = attn._input_projections(x)
+    weight, bias = attn.fused_input_weight()
+    assert weight is fused
+    q, kv = F.linear(x, weight, bias).split([q_lin.weight.shape[0], attn.mla.latent_dim], dim=-1)
     torch.testing.assert_close(q, x @ q_lin.weight.T)
     torch.testing.assert_close(kv, x @ attn.kv_a_proj_with_mqa.weight.T)
     fresh, _ = load_model(path, torch.float32, "cpu")
@@ -121,11 +124,7 @@ def test_input_projections_are_one_gemm_over_views_of_one_weight(workdir: Path, 
     assert torch.equal(fused_fresh[new_rows.shape[0]:], fused[new_rows.shape[0]:])
     moved = fresh.model.layers[0].self_attn
     moved.to(torch.float64)  # the parameters get new storage; the fused copy would be stale float32
-    q64, kv64 = moved._input_projections(x.double())
-    q_moved = moved.q_a_proj if model.config.mla.q_lora_rank else moved.q_proj
-    assert q64.dtype == torch.float64
-    torch.testing.assert_close(q64, x.double() @ q_moved.weight.T)
-    torch.testing.assert_close(kv64, x.double() @ moved.kv_a_proj_with_mqa.weight.T)
+    assert moved.fused_input_weight() is None  # so forward runs the two projections, never the stale copy
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -44,6 +44,15 @@ def _rmsnorm(residual: bool) -> tuple:
     return kernel_source(_rmsnorm_kernel, dict(HAS_RESIDUAL=residual, ROWS=1, BLOCK_N=2048), ptrs, ("eps",)), 4, 1
 
 
+def _gemv(norm: int, narrow: bool) -> tuple:
+    from sglx.llm.kernels.gemv import _gemv_kernel
+
+    ptrs = dict.fromkeys(("X", "R", "G", "R_Out", "W", "B", "Y"), BF16)
+    block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
+    consts = dict(NORM=norm, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k)
+    return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
+
+
 def _moe_gemm(fuse_silu: bool, routed: bool, shared: bool) -> tuple:
     from sglx.llm.kernels.fused_moe import _moe_gemm_kernel
 
@@ -179,6 +188,10 @@ VARIANTS = {
     "router, chunked row": lambda: _router(False, False, 0),
     "rmsnorm": lambda: _rmsnorm(False),
     "add + rmsnorm": lambda: _rmsnorm(True),
+    "gemv": lambda: _gemv(0, False),
+    "gemv, narrow launch": lambda: _gemv(0, True),
+    "gemv with rmsnorm inside": lambda: _gemv(1, True),
+    "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),
     "moe down with shared experts": lambda: _moe_gemm(False, True, True),
     "moe gate/up": lambda: _moe_gemm(True, False, False),
