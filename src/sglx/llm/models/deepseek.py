@@ -170,13 +170,14 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm (and,
-        at one row, the norms into the GEMVs after them: `RMSNorm.norm_linear`)."""
+        """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm, and each
+        norm and the product after it go through `RMSNorm.norm_linear` (at one row, narrow models take the norm
+        inside the GEMV)."""
         fused = self.self_attn.fused_input_weight()
         if fused is not None:
             q_kv_a, residual = self.input_layernorm.norm_linear(x, residual, *fused)
             attn = self.self_attn.attend_fused(q_kv_a, cos, sin, batch)
-        else:
+        else:  # no fused input weight (see fused_input_weight): the norm, then two projections
             if residual is None:
                 residual, h = x, self.input_layernorm(x)
             else:

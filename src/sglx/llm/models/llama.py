@@ -5,8 +5,8 @@ The variants differ only in switches read from ModelConfig: qkv bias (Qwen2), pe
 projections are fused into single matmuls (one launch each per layer); `load_weights` maps Hugging
 Face's separate tensors into the fused ones. Each residual add is folded into the RMSNorm after it
 (`RMSNorm.add_and_norm`), so on CUDA a layer is GEMMs, attention and four fused Triton kernels
-(two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); at one row (batch-1 decode) both add+norms
-run inside the GEMVs of qkv and gate_up (`RMSNorm.norm_linear`). CPU runs the same math in torch.
+(two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); each add+norm and the product after it go through
+`RMSNorm.norm_linear` (at one row, narrow models take the norm inside the GEMV). CPU runs the same math in torch.
 """
 
 from __future__ import annotations
