@@ -27,10 +27,11 @@ _SKINNY_ON = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in _OFF
 _GEMV_ON = os.environ.get("SGLX_GEMV", "1").strip().lower() not in _OFF
 
 
-def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight^T may go to the one-row GEMV: a single CUDA half-precision row, fused kernels on."""
+def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether x @ weight^T (+ bias) may go to the one-row GEMV: a single CUDA half-precision row, weight and bias
+    of its dtype, fused kernels on."""
     return (_GEMV_ON and x.numel() == x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
-            and weight.stride(-1) == 1 and use_fused(x))
+            and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and use_fused(x))
 
 
 def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -42,7 +43,7 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True
            ) -> torch.Tensor:
     """F.linear, the GEMV for one CUDA half-precision row, or (skinny=True) the skinny GEMM for a few."""
-    if gemv_eligible(x, weight) and (bias is None or bias.dtype == x.dtype):
+    if gemv_eligible(x, weight, bias):
         from sglx.llm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)[0]

@@ -46,8 +46,8 @@ class RMSNorm(nn.Module):
         (linear(norm(delta)), delta). One GEMV kernel for a one-row CUDA step of at most NORM_INSIDE_MAX_INPUTS
         features (the norm inside it, without the normed row's two roundings to the input dtype); otherwise the
         norm, then `linear`."""
-        same = all(t is None or t.dtype == delta.dtype for t in (self.weight, residual, bias))
-        if same and weight.shape[1] <= NORM_INSIDE_MAX_INPUTS and gemv_eligible(delta, weight):
+        same = self.weight.dtype == delta.dtype and (residual is None or residual.dtype == delta.dtype)
+        if same and weight.shape[1] <= NORM_INSIDE_MAX_INPUTS and gemv_eligible(delta, weight, bias):
             from sglx.llm.kernels.gemv import NormInput, gemv
 
             y, updated = gemv(delta, weight, bias, NormInput(self.weight, self.eps, residual))
