@@ -22,7 +22,14 @@ from contextlib import contextmanager
 import torch
 
 ENV_SWITCH = "SGLX_FUSED_KERNELS"
-_enabled = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def env_switch(name: str) -> bool:
+    """An on-by-default switch from the environment: off for 0 / false / off / no (any case, spaces ignored)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_enabled = env_switch(ENV_SWITCH)
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,19 +12,16 @@ Everything else, CPU included, is F.linear.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglx.llm.kernels import use_fused
+from sglx.llm.kernels import env_switch, use_fused
 
 SKINNY_ROWS = 16  # = sglx.llm.kernels.skinny_gemm.MAX_ROWS (that module imports triton)
 _HALF = (torch.bfloat16, torch.float16)
-_OFF = ("0", "false", "off", "no")
-_SKINNY_ON = os.environ.get("SGLX_SKINNY_GEMM", "1").strip().lower() not in _OFF
-_GEMV_ON = os.environ.get("SGLX_GEMV", "1").strip().lower() not in _OFF
+_SKINNY_ON = env_switch("SGLX_SKINNY_GEMM")
+_GEMV_ON = env_switch("SGLX_GEMV")
 
 
 def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
