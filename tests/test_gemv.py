@@ -18,6 +18,11 @@ def test_gemv_cases_under_the_interpreter():
     run_interpreted("gemv_cases.py")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_gemv_cases_under_the_interpreter():
+    run_interpreted("gemv_fused_cases.py")
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_linear_on_cpu_is_the_norm_then_the_product(with_residual):
     gen = torch.Generator().manual_seed(0)

@@ -10,13 +10,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+if TYPE_CHECKING:  # kv_store imports this module's LayerSpec
+    from sglx.attention.llm.kv_store import StepKVSlots
 
 
 @dataclass(frozen=True)
@@ -65,14 +68,11 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (indices, plans) once; every layer reuses it."""
 
-    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
-        """Optionally rotate q/k in place AND store this step's K/V in one kernel; True if it did.
-
-        A backend that returns True has already written the KV cache: the layer then calls `forward`
-        with save_kv_cache=False. The default does nothing (the layer rotates, `forward` stores).
-        """
-        return False
+    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
+        """Where the kernel that computes this step's K/V (rotary, the batch-1 qkv GEMV) may store them itself, or
+        None (the default): the layer then calls `forward` with save_kv_cache=True and the backend stores. A
+        layer that used the slots calls `forward` with save_kv_cache=False."""
+        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:

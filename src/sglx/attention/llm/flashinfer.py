@@ -37,7 +37,7 @@ import torch
 
 from sglx.attention.kernels.page_table import build_page_table, page_table_torch, paged_lengths
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
-from sglx.attention.llm.kv_store import rotary_and_store, store_step_kv
+from sglx.attention.llm.kv_store import StepKVSlots, step_kv_slots, store_step_kv
 from sglx.attention.llm.plan_fence import PlanFence
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
@@ -335,10 +335,10 @@ class FlashInferBackend(AttentionBackend):
         """This step's K/V into the pool: sglx's Triton store kernel on GPUs (fp8 encode included)."""
         store_step_kv(k, v, layer, batch)
 
-    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
-        """Rotary with the K/V store folded in, sglx's fused kernel (the same one the triton backend uses)."""
-        return rotary_and_store(q, k, v, cos, sin, layer, batch)
+    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
+        """Slots for a kernel that stores this step's K/V itself (rotary, the batch-1 qkv GEMV): one launch fewer
+        a layer; the pool is written exactly as store_step_kv writes it."""
+        return step_kv_slots(layer, batch)
 
     def paged_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers as FlashInfer NHD pages [pages, page_size, Hkv, D] (views, no copy)."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
+from sglx.attention.llm.kv_store import StepKVSlots
 from sglx.llm.forward_batch import ForwardBatch
 
 
@@ -35,9 +36,8 @@ class HybridAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._for(batch).init_forward_metadata(batch)
 
-    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
-        return self._for(batch).rotary_and_save(q, k, v, cos, sin, layer, batch)
+    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
+        return self._for(batch).step_kv_slots(layer, batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:

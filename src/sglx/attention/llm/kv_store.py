@@ -8,6 +8,8 @@ calibrated are computed here from the first prefill), and all fold the store int
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sglx.attention.kernels.store_kv import store_kv_to_pool
@@ -44,22 +46,43 @@ def store_step_kv(k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: For
     store_kv_to_pool(pool, layer.layer_id, k, v, batch.out_cache_loc)
 
 
+@dataclass(frozen=True)
+class StepKVSlots:
+    """Where this step's K/V go in a layer's pool, for a kernel that computes them to store them on the way (the
+    rotary kernel, the batch-1 qkv GEMV): buffers [slots, Hkv, D], the slots, the static fp8 scales and format."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    loc: torch.Tensor
+    k_scale: float
+    v_scale: float
+    fp8_dtype: torch.dtype | None
+
+
+def step_kv_slots(layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
+    """The layer's slots for a fused store, or None where only store_kv_to_pool may write (per-token fp8 scales,
+    the key rotation, static scales still to be calibrated from the first prefill)."""
+    pool = batch.token_kv_pool
+    if getattr(pool, "per_token_scales", False) or getattr(pool, "k_rotation", None) is not None:
+        return None
+    if getattr(pool, "calibrating", False):
+        return None
+    i = layer.layer_id
+    return StepKVSlots(pool.k_buffer[i], pool.v_buffer[i], batch.out_cache_loc, float(pool.k_scale[i]),
+                       float(pool.v_scale[i]),
+                       pool.layer_fp8_dtype(i) if hasattr(pool, "layer_fp8_dtype") else pool.fp8_dtype)
+
+
 def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     layer: LayerSpec, batch: ForwardBatch) -> bool:
-    """Rotary on q/k in place with the K/V store folded in (one launch per layer); False where it can't."""
+                     slots: StepKVSlots) -> bool:
+    """Rotary on q/k in place with the K/V store to `slots` folded in (one launch per layer); False where the
+    fused kernel does not apply (CPU tensors, mixed dtypes): the caller rotates and the backend stores."""
     from sglx.llm.kernels import use_fused
 
     if not (use_fused(q) and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype):
         return False
-    pool = batch.token_kv_pool
-    if getattr(pool, "per_token_scales", False) or getattr(pool, "k_rotation", None) is not None:
-        return False  # per-token fp8 scales and the key rotation are written by store_kv_to_pool
-    if getattr(pool, "calibrating", False):
-        return False  # the first prefill computes the static scales before storing (calibrate_from_first_prefill)
     from sglx.llm.kernels.rotary import apply_rotary_and_store_
 
-    i = layer.layer_id
-    apply_rotary_and_store_(q, k, v.reshape(v.shape[0], layer.num_kv_heads, -1), cos, sin, pool.k_buffer[i],
-                            pool.v_buffer[i], batch.out_cache_loc, pool.k_scale[i], pool.v_scale[i],
-                            pool.layer_fp8_dtype(i) if hasattr(pool, "layer_fp8_dtype") else pool.fp8_dtype)
+    apply_rotary_and_store_(q, k, v.reshape(v.shape[0], k.shape[1], -1), cos, sin, slots.k_buffer, slots.v_buffer,
+                            slots.loc, slots.k_scale, slots.v_scale, slots.fp8_dtype)
     return True

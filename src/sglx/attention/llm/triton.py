@@ -29,7 +29,7 @@ from sglx.attention.kernels.decode_attention import (
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_metadata
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
-from sglx.attention.llm.kv_store import rotary_and_store, store_step_kv
+from sglx.attention.llm.kv_store import StepKVSlots, step_kv_slots, store_step_kv
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -214,10 +214,10 @@ class TritonBackend(AttentionBackend):
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
         store_step_kv(k, v, layer, batch, kernel_on_cpu=True)  # CPU tensors: the kernel under the interpreter
 
-    def rotary_and_save(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> bool:
-        """Rotary on q/k with the K/V store folded in (one launch per layer instead of two), CUDA only."""
-        return rotary_and_store(q, k, v, cos, sin, layer, batch)
+    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
+        """Slots for a kernel that stores this step's K/V itself (rotary, the batch-1 qkv GEMV): one launch fewer
+        a layer; the pool is written exactly as store_step_kv writes it."""
+        return step_kv_slots(layer, batch)
 
     def _kernel_args(self, layer: LayerSpec, batch: ForwardBatch) -> dict:
         pool = batch.token_kv_pool

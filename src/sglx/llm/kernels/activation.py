@@ -16,6 +16,13 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(g, up, DT: tl.constexpr):
+    """silu(g) * up for float32 values of dtype DT, rounded where torch rounds (the activation, then the product)."""
+    act = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), DT)  # torch: x / (1 + exp(-x)), IEEE division
+    return round_to(act * up, DT)
+
+
+@triton.jit
 def _silu_and_mul_kernel(Gate_Up, Out, n_cols, stride_in, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -23,8 +30,7 @@ def _silu_and_mul_kernel(Gate_Up, Out, n_cols, stride_in, stride_out, BLOCK: tl.
     dt = Gate_Up.dtype.element_ty
     g = tl.load(Gate_Up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(Gate_Up + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), dt)  # torch: x / (1 + exp(-x)), IEEE division
-    tl.store(Out + row * stride_out + cols, round_to(act * up, dt).to(dt), mask=mask)
+    tl.store(Out + row * stride_out + cols, silu_mul(g, up, dt).to(dt), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -62,10 +62,29 @@ def _gemv_kernel(X, R, G, R_Out, W, B, Y, N, K, stride_wn, eps, NORM: tl.constex
         y = y * rms_rstd(tl.sum(ss, axis=0), K, eps)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs_n, y.to(dt), mask=n_mask)
+    tl.store(Y + offs_n, round_to(y, dt).to(dt), mask=n_mask)  # round_to: the interpreter truncates casts
 
 
-def _launch(n: int, k: int, config: GemvConfig, interpret: bool) -> tuple[int, int, int, int]:
+@triton.jit
+def pair_products(X, rows_a, rows_b, mask_a, mask_b, K, BLOCK_K: tl.constexpr):
+    """(W_a x, W_b x) in float32 for two equally long lists of weight rows (pointer columns [P, 1]) in one pass
+    over x: the fused GEMVs (sglx.llm.kernels.gemv_*) pair the rows their epilogue combines (gate with up, the two
+    halves of a rotary pair), so each program holds both."""
+    acc_a = tl.zeros([rows_a.shape[0], BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([rows_a.shape[0], BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(X + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_a = tl.load(rows_a + offs_k[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)
+        w_b = tl.load(rows_b + offs_k[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
+        acc_a += w_a.to(tl.float32) * x
+        acc_b += w_b.to(tl.float32) * x
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+
+
+def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False
+                  ) -> tuple[int, int, int, int]:
     """Measured on the H200 in graphs (bench_gemv.py --sweep, session 23): 8 features x 512 inputs a step and 4
     warps for wide outputs; at most 4,096 features, 4 x 1,024 (4 x 512 past 4,096 inputs) and 8 warps, so the grid
     still has about 8 programs an SM."""
@@ -86,7 +105,7 @@ class NormInput:
     residual: torch.Tensor | None = None
 
 
-def _one_row(t: torch.Tensor, k: int, what: str) -> torch.Tensor:
+def one_row(t: torch.Tensor, k: int, what: str) -> torch.Tensor:
     if t.numel() != k:
         raise ValueError(f"gemv takes one row of {k}, got {what} of shape {tuple(t.shape)}")
     t1 = t.reshape(k)
@@ -103,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"x's last dim {k} does not fit a weight of {weight.shape[1]} inputs")
     if weight.stride(-1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous")
-    x1 = _one_row(x, k, "x")
+    x1 = one_row(x, k, "x")
     n = weight.shape[0]
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     mode, r1, g, r_out, eps = 0, x1, x1, x1, 0.0
@@ -111,10 +130,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm is not None:
         mode, g, eps = 1, norm.weight, float(norm.eps)
         if norm.residual is not None:
-            mode, r1 = 2, _one_row(norm.residual, k, "residual")
+            mode, r1 = 2, one_row(norm.residual, k, "residual")
             new_residual = torch.empty_like(x1)
             r_out = new_residual
-    block_n, block_k, warps, stages = _launch(n, k, config, interpret)
+    block_n, block_k, warps, stages = launch_params(n, k, config, interpret)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x1, r1, g, r_out, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), eps,
         NORM=mode, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

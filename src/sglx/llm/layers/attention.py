@@ -31,6 +31,13 @@ class Attention(nn.Module):
         out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv_cache)
         return out.reshape(tokens, spec.num_q_heads * spec.head_dim)
 
+    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention for q [T, Hq, D] whose step K/V a fused kernel already wrote to the pool (at the slots the
+        backend's `step_kv_slots` gave): the backend reads them from there, so k/v are shape-only placeholders."""
+        spec = self.spec
+        kv = q.new_empty((q.shape[0], spec.num_kv_heads, spec.head_dim))
+        return self(q, kv, kv, batch, save_kv_cache=False)
+
     def extra_repr(self) -> str:
         s = self.spec
         window = f", sliding_window={s.sliding_window}" if s.sliding_window else ""

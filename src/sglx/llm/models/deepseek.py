@@ -169,10 +169,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm, and each
         norm and the product after it go through `RMSNorm.norm_linear` (at one row, narrow models take the norm
-        inside the GEMV)."""
+        inside the GEMV). `next_norm` is not used: the next layer's norm takes the add (inside its GEMV at one row)."""
         fused = self.self_attn.fused_input_weight()
         if fused is not None:
             q_kv_a, residual = self.input_layernorm.norm_linear(x, residual, *fused)

@@ -1,0 +1,95 @@
+"""Batch-1 GEMVs with epilogues against the unfused kernels they replace, in CUDA graphs (Llama-3.1-8B shapes).
+
+Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/bench_gemv_fused.py --out gemv_fused.json
+Pairs: qkv + rotary + K/V store (gemv_rotary_store) against the GEMV then the rotary-and-store kernel; o_proj and down
++ residual add + RMSNorm (gemv_add_norm) against the GEMV then the add + norm kernel; gate_up + SiLU-and-mul
+(gemv_gated) against the GEMV then silu_and_mul. Each runs as a chain of calls over distinct weights (at least 512
+MB together, as bench_gemv.py does) in one CUDA graph, after its output is checked against the unfused pair's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from sglx.attention.llm.kv_store import StepKVSlots
+from sglx.bench.timing import checked_us_in_graph, copy_bandwidth
+from sglx.llm.kernels.activation import silu_and_mul
+from sglx.llm.kernels.gemv import gemv
+from sglx.llm.kernels.gemv_add_norm import gemv_add_norm
+from sglx.llm.kernels.gemv_gated import gemv_gated
+from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
+from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
+from sglx.llm.kernels.rotary import apply_rotary_and_store_
+from sglx.llm.layers.rotary import RotaryEmbedding
+
+DEV = torch.device("cuda")
+EPS = 1e-5
+HQ, HKV, D = 32, 8, 128
+SHAPES = {"qkv + rotary + store": (6144, 4096), "o_proj + add + norm": (4096, 4096),
+          "gate_up + silu": (28672, 4096), "down + add + norm": (4096, 14336)}
+Call = Callable[[int], torch.Tensor]
+
+
+def _pairs(name: str, ws: list[torch.Tensor], gen: torch.Generator) -> dict[str, Call]:
+    """label -> call(i) over weight i for the fused kernel and the unfused pair; each returns the step's output."""
+    n, k = ws[0].shape
+    x = torch.randn(1, k, generator=gen, device=DEV).bfloat16()
+    if name.startswith("gate_up"):
+        return {"fused": lambda i: gemv_gated(x, ws[i]), "unfused": lambda i: silu_and_mul(gemv(x, ws[i])[0])}
+    if name.endswith("norm"):
+        r = torch.randn(1, n, generator=gen, device=DEV).bfloat16()
+        g = (1 + 0.1 * torch.randn(n, generator=gen, device=DEV)).bfloat16()
+        return {"fused": lambda i: gemv_add_norm(x, ws[i], None, r, g, EPS)[0],
+                "unfused": lambda i: fused_add_rms_norm(gemv(x, ws[i])[0], r, g, EPS)[0]}
+    cos, sin = RotaryEmbedding(D, 500000.0, None, 8192).cos_sin(torch.tensor([600], device=DEV), torch.bfloat16)
+    kb = torch.zeros(4096, HKV, D, device=DEV, dtype=torch.bfloat16)
+    vb = torch.zeros_like(kb)
+    loc = torch.tensor([600], device=DEV)
+    slots = StepKVSlots(kb, vb, loc, 1.0, 1.0, None)
+
+    def unfused(i: int) -> torch.Tensor:
+        q, kk, v = gemv(x, ws[i])[0].split([HQ * D, HKV * D, HKV * D], dim=-1)
+        q, kk = q.view(1, HQ, D), kk.view(1, HKV, D)
+        apply_rotary_and_store_(q, kk, v.view(1, HKV, D), cos, sin, kb, vb, loc)
+        return q[0]
+
+    return {"fused": lambda i: gemv_rotary_store(x, ws[i], None, cos, sin, HQ, HKV, slots), "unfused": unfused}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    bw = copy_bandwidth(DEV)
+    report: dict = dict(device=torch.cuda.get_device_name(DEV), torch=torch.__version__, triton=triton.__version__,
+                        date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_tb_s=bw / 1e12, cases=[])
+    gen = torch.Generator(DEV).manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        calls = max(2, -(-(512 << 20) // nbytes))
+        ws = [torch.randn(n, k, generator=gen, device=DEV).mul_(k ** -0.5).bfloat16() for _ in range(calls)]
+        pairs = _pairs(name, ws, gen)
+        want = pairs["unfused"](0).float()
+        case = dict(case=name, n=n, k=k, calls=calls, weight_bytes=nbytes, rows={})
+        for label, call in pairs.items():
+            row = checked_us_in_graph(call, calls, want, 2e-2 * want.abs().max().item(), DEV)
+            if "us_per_call" in row:
+                row["of_copy"] = nbytes / row["us_per_call"] / 1e6 * 1e12 / bw
+            case["rows"][label] = row
+        report["cases"].append(case)
+        f, u = (case["rows"][lb].get("us_per_call", float("nan")) for lb in ("fused", "unfused"))
+        print(f"{name:22s} {n}x{k}: fused {f:.2f} us, unfused {u:.2f} us ({u - f:+.2f} us saved a call) "
+              f"{case['rows']['fused'].get('error', '')}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 24 device stages (one `run` call for one or more: `bash benchmarks/run_session24_gpu.sh tests fused`).
+#   tests    GPU tests of the GEMVs (plain and with epilogues), fused layers, CUDA graphs, Triton backend (engine vs
+#            transformers at batch 1 takes the fused route)
+#   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
+#   ab       one-batch at batch 1, Llama-3.1-8B, SGLX_GEMV_EPILOGUES=1 / 0 alternated in fresh processes
+#   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
+# Every JSON report lands in $OUT/s24.tgz.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 COLUMNS=160
+SITE=${SITE:-/tmp/site}
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 -p xdist \
+             tests/gpu/test_gemv_fused_gpu.py tests/gpu/test_gemv_gpu.py tests/gpu/test_fused_layers_gpu.py \
+             tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_triton_gpu.py tests/gpu/test_fp8_kv_gpu.py 2>&1 | tail -15 ;;
+    fused) PYTHONPATH=$PWD/src timeout 200 python3 benchmarks/bench_gemv_fused.py --out "$WORK/gemv_fused.json" \
+             2>&1 | grep -v Warn | cut -c1-200 ;;
+    ab)  # batch-1 one-batch with the epilogues on and off, fresh processes alternated
+      for rep in $(seq 1 "${REPS:-2}"); do
+        for epi in 1 0; do
+          model=llama-3.1-8b
+          echo "--- round $rep SGLX_GEMV_EPILOGUES=$epi $model $(date +%T)"
+          SGLX_GEMV_EPILOGUES=$epi PYTHONPATH=$PWD/src timeout 150 python3 -m sglx bench one-batch --model-path $model \
+            --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
+            --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
+            --output "$WORK/one_batch_${model}_epi${epi}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
+          python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
+            "$WORK/one_batch_${model}_epi${epi}_r${rep}.json"
+          tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+        done
+      done ;;
+    profile)
+      PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/profile_decode_step.py --output "$WORK/profile_llama8b_bs1.json" \
+        2>&1 | grep -v Warn | cut -c1-160 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+done

@@ -1,0 +1,240 @@
+"""The GEMVs with epilogues (sglx.llm.kernels.gemv_gated / gemv_add_norm / gemv_rotary) against float64 and
+against the unfused kernels they replace, and Llama's batch-1 decode route through them.
+
+Runs only under TRITON_INTERPRET=1 (tests/test_gemv.py launches it in a child pytest). Each fused kernel rounds
+where the unfused path rounds (the GEMV output to the dtype, then the epilogue's own roundings), so against the
+unfused kernels the results agree to a rounding step of the last operation, and against float64 within the
+products' error. The same runs at real sizes on the GPU (tests/gpu/test_gemv_fused_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
+    pytest.skip("run through tests/test_gemv.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+from sglx.attention.llm.kv_store import StepKVSlots  # noqa: E402
+from sglx.llm.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from sglx.llm.kernels.gemv_add_norm import _ticket, gemv_add_norm  # noqa: E402
+from sglx.llm.kernels.gemv_gated import gemv_gated  # noqa: E402
+from sglx.llm.kernels.gemv_rotary import gemv_rotary_store  # noqa: E402
+
+EPS = 1e-5
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest |got - want| in units of the dtype's epsilon times |want| (plus a floor for values near 0)."""
+    scale = want.double().abs().clamp_min(1e-3)
+    return ((got.double() - want.double()).abs() / scale).max().item() / torch.finfo(dtype).eps
+
+
+# ---------------------------------------------------------------- gate_up + SiLU-and-mul
+
+@pytest.mark.parametrize("n_out,k,config", [(20, 96, GemvConfig(4, 32)), (9, 40, GemvConfig(8, 16)),
+                                            (16, 64, GemvConfig(2, 64))])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_gemv_is_silu_and_mul_of_the_gemv(n_out, k, config, dtype, bias):
+    from sglx.llm.kernels.activation import silu_and_mul
+
+    x = _randn(1, k, seed=k, dtype=dtype, scale=2.0)
+    w = _randn(2 * n_out, k, seed=n_out, dtype=dtype, scale=k ** -0.5)
+    b = _randn(2 * n_out, seed=5, dtype=dtype) if bias else None
+    got = gemv_gated(x, w, b, config=config, interpret=True)
+    assert got.shape == (1, n_out) and got.dtype == dtype
+    unfused = silu_and_mul(gemv(x, w, b, config=GemvConfig(config.block_n, config.block_k), interpret=True)[0])
+    assert torch.equal(got, unfused)
+    gu = x.double() @ w.double().t() + (b.double() if bias else 0)
+    g, u = gu[:, :n_out], gu[:, n_out:]
+    want = g * torch.sigmoid(g) * u
+    bound = 4 * torch.finfo(dtype).eps * (g.abs() * u.abs() + (w.double().abs() @ x.double().abs().t()).t()
+                                          [:, :n_out] * u.abs() + 1e-3).max().item()
+    assert (got.double() - want).abs().max().item() <= bound
+
+
+def test_gated_gemv_refuses_an_odd_or_misfit_weight():
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[2I, 16\]"):
+        gemv_gated(x, torch.zeros(7, 16, dtype=torch.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match=r"\[2I, 16\]"):
+        gemv_gated(x, torch.zeros(8, 12, dtype=torch.bfloat16), interpret=True)
+
+
+# ---------------------------------------------------------------- o_proj / down + residual add + the next norm
+
+@pytest.mark.parametrize("n,k,config", [(40, 96, GemvConfig(4, 32)), (33, 64, GemvConfig(8, 16)),
+                                        (7, 40, GemvConfig(4, 64))])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_norm_gemv_writes_torchs_residual_and_the_next_norm(n, k, config, dtype, bias):
+    from sglx.llm.layers.norm import RMSNorm
+
+    x = _randn(1, k, seed=k + 1, dtype=dtype, scale=2.0)
+    w = _randn(n, k, seed=n + 2, dtype=dtype, scale=k ** -0.5)
+    b = _randn(n, seed=7, dtype=dtype) if bias else None
+    r = _randn(1, n, seed=n + 3, dtype=dtype, scale=3.0)
+    g = (1 + _randn(n, seed=n + 4, dtype=torch.float64, scale=0.2)).to(dtype)
+    out, updated = gemv_add_norm(x, w, b, r, g, EPS, config=config, interpret=True)
+    assert out.shape == updated.shape == (1, n) and out.dtype == dtype
+    delta = gemv(x, w, b, config=GemvConfig(config.block_n, config.block_k), interpret=True)[0]
+    assert torch.equal(updated, r + delta)  # the product as the plain GEMV rounds it, then torch's add
+    norm = RMSNorm(n, EPS)
+    norm.weight.data = g
+    want = norm._torch(updated)  # Hugging Face's norm of the same stream
+    assert _ulps(out, want, dtype) <= 2.0  # the float32 sum of squares may add in another order
+    s = updated.double()
+    exact = g.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+    assert _ulps(out, exact, dtype) <= 3.0
+    assert _ticket(x.device).item() == 0  # the last program left the ticket for the next launch
+
+
+def test_add_norm_gemv_runs_twice_with_one_ticket():
+    """The ticket resets itself: a second launch (a CUDA graph replay) norms again, from its own stream."""
+    x, w = _randn(1, 32, seed=1, dtype=torch.bfloat16), _randn(24, 32, seed=2, dtype=torch.bfloat16)
+    g = torch.ones(24, dtype=torch.bfloat16)
+    first = gemv_add_norm(x, w, None, _randn(1, 24, seed=3, dtype=torch.bfloat16), g, EPS, interpret=True)
+    r2 = _randn(1, 24, seed=4, dtype=torch.bfloat16)
+    second = gemv_add_norm(x, w, None, r2, g, EPS, interpret=True)
+    assert not torch.equal(first[0], second[0])
+    assert torch.equal(second[1], r2 + gemv(x, w, interpret=True)[0])
+
+
+def test_add_norm_gemv_refuses_a_norm_weight_of_another_width():
+    x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm weight of 7"):
+        gemv_add_norm(x, w, None, torch.zeros(1, 8, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16),
+                      EPS, interpret=True)
+
+
+# ---------------------------------------------------------------- qkv + rotary + K/V store
+
+def _pool(dtype: torch.dtype, kv_cache_dtype: str, hkv: int, d: int):  # noqa: ANN202
+    from sglx.llm.kv_cache import TokenKVPool
+
+    return TokenKVPool(16, 1, 1, hkv, d, dtype, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("hq,hkv,d,k,config", [(4, 2, 16, 48, GemvConfig(4, 16)), (3, 1, 8, 32, GemvConfig(8, 32)),
+                                               (2, 2, 32, 40, GemvConfig(2, 64))])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_rotary_gemv_equals_gemv_then_rotary_and_store(hq, hkv, d, k, config, dtype, bias, kv_cache_dtype):
+    from sglx.llm.kernels.rotary import apply_rotary_and_store_
+    from sglx.llm.layers.rotary import RotaryEmbedding
+
+    rows = (hq + 2 * hkv) * d
+    x = _randn(1, k, seed=rows, dtype=dtype, scale=2.0)
+    w = _randn(rows, k, seed=k, dtype=dtype, scale=k ** -0.5)
+    b = _randn(rows, seed=9, dtype=dtype) if bias else None
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 512).cos_sin(torch.tensor([37]), dtype)
+    loc = torch.tensor([5])
+    pools = [_pool(dtype, kv_cache_dtype, hkv, d) for _ in range(2)]
+    for p in pools:
+        p.k_scale[0], p.v_scale[0] = (0.05, 0.03) if kv_cache_dtype != "auto" else (1.0, 1.0)
+
+    def slots(pool) -> StepKVSlots:  # noqa: ANN001
+        return StepKVSlots(pool.k_buffer[0], pool.v_buffer[0], loc, float(pool.k_scale[0]), float(pool.v_scale[0]),
+                           pool.fp8_dtype)
+
+    q = gemv_rotary_store(x, w, b, cos, sin, hq, hkv, slots(pools[0]), config=config, interpret=True)
+    qkv = gemv(x, w, b, config=GemvConfig(config.block_n, config.block_k), interpret=True)[0]
+    q2, k2, v2 = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q2, k2, v2 = q2.reshape(1, hq, d).clone(), k2.reshape(1, hkv, d).clone(), v2.reshape(1, hkv, d)
+    s = slots(pools[1])
+    apply_rotary_and_store_(q2, k2, v2, cos, sin, s.k_buffer, s.v_buffer, loc, s.k_scale, s.v_scale, s.fp8_dtype)
+    assert q.shape == (hq, d) and torch.equal(q, q2[0])
+    assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])  # slot 5 written, the others untouched
+    assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
+    assert pools[0].k_buffer[0][loc].abs().sum() > 0
+    # and against float64: the product, then the NeoX rotation
+    full = x.double() @ w.double().t() + (b.double() if bias else 0)
+    qd = full[:, :hq * d].reshape(hq, d)
+    c, sn = cos.double()[0], sin.double()[0]
+    half = d // 2
+    rot = torch.cat([-qd[:, half:], qd[:, :half]], dim=-1)
+    want = qd * c + rot * sn
+    assert (q.double() - want).abs().max().item() <= 8 * torch.finfo(dtype).eps * (want.abs().max().item() + 1)
+
+
+def test_rotary_gemv_refuses_a_weight_that_is_not_whole_heads():
+    slots = StepKVSlots(torch.zeros(4, 1, 8), torch.zeros(4, 1, 8), torch.tensor([1]), 1.0, 1.0, None)
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    cos = torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole|even D"):
+        gemv_rotary_store(x, torch.zeros(30, 16, dtype=torch.bfloat16), None, cos, cos, 2, 1, slots, interpret=True)
+    two = StepKVSlots(slots.k_buffer, slots.v_buffer, torch.tensor([1, 2]), 1.0, 1.0, None)
+    with pytest.raises(ValueError, match="one token"):
+        gemv_rotary_store(x, torch.zeros(32, 16, dtype=torch.bfloat16), None, cos, cos, 2, 1, two, interpret=True)
+
+
+# ---------------------------------------------------------------- Llama's batch-1 decode route
+
+def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | None):  # noqa: ANN001, ANN202
+    """bfloat16 tiny Llama, fused kernels forced on the CPU (interpreted), the backend lending its pool slots:
+    a 9-token extend, then 4 one-token decode steps (teacher-forced by `feed` when given)."""
+    from llm_test_utils import PagedKVHarness
+    from sglx.attention.llm import kv_store
+    from sglx.attention.llm.torch_native import TorchNativeBackend
+    from sglx.llm.layers import linear, mlp, norm, rotary
+    from sglx.llm.models import llama, load_model
+
+    for module in (norm, mlp, rotary, linear):
+        monkeypatch.setattr(module, "use_fused", lambda t: True)
+    monkeypatch.setattr(kv_store, "rotary_and_store", _interpreted_rotary_and_store)
+    monkeypatch.setattr(llama, "rotary_and_store", _interpreted_rotary_and_store)
+    monkeypatch.setattr(TorchNativeBackend, "step_kv_slots", lambda self, layer, batch: kv_store.step_kv_slots(
+        layer, batch))
+    monkeypatch.setattr(llama, "_EPILOGUES_ON", epilogues)
+    monkeypatch.setattr(linear, "_SKINNY_ON", False)  # the extend's rows: F.linear (the skinny GEMM has its tests)
+    model, _ = load_model(model_dir, torch.bfloat16, "cpu")
+    harness = PagedKVHarness(model, page_size=4)
+    row = harness.new_request()
+    logits = [harness.extend([(row, [5, 77, 201, 9, 33, 140, 61, 2, 18])])]
+    fed = []
+    for step in range(4):
+        token = feed[step] if feed is not None else int(logits[-1].argmax(-1))
+        fed.append(token)
+        logits.append(harness.decode([(row, token)]))
+    return [t.float() for t in logits], fed
+
+
+def _interpreted_rotary_and_store(q, k, v, cos, sin, slots):  # noqa: ANN001, ANN202
+    from sglx.llm.kernels.rotary import apply_rotary_and_store_
+
+    apply_rotary_and_store_(q, k, v.reshape(v.shape[0], k.shape[1], -1), cos, sin, slots.k_buffer, slots.v_buffer,
+                            slots.loc, slots.k_scale, slots.v_scale, slots.fp8_dtype)
+    return True
+
+
+def test_llama_batch1_decode_through_the_fused_gemvs_equals_the_unfused_kernels(tmp_path, monkeypatch):
+    """Each decode step takes qkv+rotary+store, o_proj+add+norm, gate_up+SiLU and down+add+next norm (counted),
+    and gives the logits of the route with separate norm, rotary and SiLU kernels between plain GEMVs."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.kernels import gemv_add_norm, gemv_gated, gemv_rotary
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    plain, fed = _decode_logits(model_dir, monkeypatch, False, None)
+    calls: list[str] = []
+    for module, name in ((gemv_add_norm, "gemv_add_norm"), (gemv_gated, "gemv_gated"),
+                         (gemv_rotary, "gemv_rotary_store")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    fused, _ = _decode_logits(model_dir, monkeypatch, True, fed)
+    layers = 2  # make_tiny_model's llama
+    assert calls.count("gemv_rotary_store") == 4 * layers and calls.count("gemv_gated") == 4 * layers
+    assert calls.count("gemv_add_norm") == 2 * 4 * layers
+    assert torch.equal(fused[0], plain[0])  # the extend does not take the route
+    for a, b in zip(fused[1:], plain[1:]):  # the unfused route norms inside its GEMVs at this width, without
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # the normed row's two bfloat16 roundings
+        assert a.abs().max() < 100  # real logits of the tiny model, not overflowed garbage
+    assert [int(x.argmax(-1)) for x in fused[:-1]] == fed
