@@ -63,8 +63,8 @@ def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
         consts = dict(HAS_BIAS=True, BLOCK_P=block_n // 2, BLOCK_K=block_k)
         return kernel_source(gemv_gated._gemv_gated_kernel, consts, ptrs, div16=div16), warps, 3
     if kind == "add_norm":
-        ptrs = {**dict.fromkeys(("X", "W", "B", "R", "G", "R_Out", "Out"), BF16), "Ticket": "*i32"}
-        consts = dict(HAS_BIAS=True, BLOCK_P=block_n // 2, BLOCK_K=block_k, BLOCK_ROW=4096)
+        ptrs = {**dict.fromkeys(("X", "W", "B", "R", "G", "R_Out", "Out"), BF16), "Tickets": "*i32"}
+        consts = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_ROW=4096, GROUP=32, SPACING=32)
         return kernel_source(gemv_add_norm._gemv_add_norm_kernel, consts, ptrs, ("eps",), div16), warps, 3
     kv = "*u8" if fmt else BF16
     ptrs = {**dict.fromkeys(("X", "W", "B", "Cos", "Sin", "Q"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}

@@ -66,21 +66,23 @@ def _gemv_kernel(X, R, G, R_Out, W, B, Y, N, K, stride_wn, eps, NORM: tl.constex
 
 
 @triton.jit
-def pair_products(X, rows_a, rows_b, mask_a, mask_b, K, BLOCK_K: tl.constexpr):
-    """(W_a x, W_b x) in float32 for two equally long lists of weight rows (pointer columns [P, 1]) in one pass
-    over x: the fused GEMVs (sglx.llm.kernels.gemv_*) pair the rows their epilogue combines (gate with up, the two
-    halves of a rotary pair), so each program holds both."""
-    acc_a = tl.zeros([rows_a.shape[0], BLOCK_K], dtype=tl.float32)
-    acc_b = tl.zeros([rows_a.shape[0], BLOCK_K], dtype=tl.float32)
+def row_products(X, rows, mask, K, BLOCK_K: tl.constexpr):
+    """W x in float32 for the weight rows `rows` (a pointer column [R, 1], any rows, masked by `mask`): the plain
+    GEMV's loop, for the fused GEMVs (sglx.llm.kernels.gemv_*), which gather the rows their epilogue combines (gate
+    with up, the two halves of a rotary pair) into one tile: one tile a step measured faster than two half tiles."""
+    acc = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(X + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w_a = tl.load(rows_a + offs_k[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)
-        w_b = tl.load(rows_b + offs_k[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
-        acc_a += w_a.to(tl.float32) * x
-        acc_b += w_b.to(tl.float32) * x
-    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+        w = tl.load(rows + offs_k[None, :], mask=mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * tl.load(X + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def halves(y, HALF: tl.constexpr):
+    """[2 * HALF] -> (first half, second half): the two row groups a fused GEMV gathered into one tile."""
+    return tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
 
 
 def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False

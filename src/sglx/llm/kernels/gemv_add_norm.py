@@ -14,63 +14,78 @@ import torch
 import triton
 import triton.language as tl
 
-from sglx.llm.kernels.gemv import GemvConfig, launch_params, one_row, pair_products
+from sglx.llm.kernels.gemv import GemvConfig, launch_params, one_row, row_products
 from sglx.llm.kernels.rmsnorm import rms_rstd, rms_weighted
 from sglx.llm.kernels.rounding import round_to
 
 # the last program holds the whole row in registers
 MAX_FEATURES = 16384
+# Programs draw tickets in groups of GROUP, and each group's last program one ticket from the top counter: 1,024
+# programs drawing from one address all at once (they all finish together) queue up at that address.
+GROUP = 32
+_SPACING = 32  # int32 counters 128 bytes apart: each in its own cache line
+_MAX_GROUPS = 512
 
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
-def _ticket(device: torch.device) -> torch.Tensor:
-    """The device's ticket counter: kernels on one stream run one after another and each leaves it at 0, so one
-    serves every call (the first call must be eager, before any CUDA graph captures it)."""
+def _tickets_for(device: torch.device) -> torch.Tensor:
+    """The device's ticket counters (the top one, then one a group): kernels on one stream run one after another and
+    each leaves them at 0, so one set serves every call (the first call must be eager, before any CUDA graph
+    captures it)."""
     t = _tickets.get(device)
     if t is None:
-        t = _tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        t = _tickets[device] = torch.zeros((1 + _MAX_GROUPS) * _SPACING, dtype=torch.int32, device=device)
     return t
 
 
 @triton.jit
-def _stream_update(y, B, R, R_Out, offs, mask, HAS_BIAS: tl.constexpr, DT: tl.constexpr):
-    """r + round(y (+ b)) for some features, rounded as torch's add, stored as the new residual."""
-    if HAS_BIAS:
-        y += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    h = round_to(tl.load(R + offs, mask=mask, other=0.0).to(tl.float32) + round_to(y, DT), DT)
-    tl.store(R_Out + offs, h.to(DT), mask=mask)
+def _last_to_finish(Tickets, GROUP: tl.constexpr, SPACING: tl.constexpr):
+    """Whether this program is the last of the grid to get here, by a group ticket then (for a group's last program)
+    the top ticket; acq_rel at GPU scope, so the last one sees every program's stores made before its ticket. Each
+    counter is reset by whoever drew its last ticket."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    group = pid // GROUP
+    groups = tl.cdiv(n, GROUP)
+    counter = Tickets + (1 + group) * SPACING
+    last = False
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.minimum(GROUP, n - group * GROUP) - 1:
+        tl.atomic_xchg(counter, 0)
+        if tl.atomic_add(Tickets, 1, sem="acq_rel", scope="gpu") == groups - 1:
+            tl.atomic_xchg(Tickets, 0)
+            last = True
+    return last
 
 
 @triton.jit
-def _gemv_add_norm_kernel(X, W, B, R, G, R_Out, Out, Ticket, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr):
+def _gemv_add_norm_kernel(X, W, B, R, G, R_Out, Out, Tickets, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                          GROUP: tl.constexpr, SPACING: tl.constexpr):
     dt = Out.dtype.element_ty
-    offs_a = tl.program_id(0) * 2 * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_b = offs_a + BLOCK_P
-    mask_a = offs_a < N
-    mask_b = offs_b < N
-    rows_a = W + offs_a[:, None].to(tl.int64) * stride_wn
-    y_a, y_b = pair_products(X, rows_a, rows_a + BLOCK_P * stride_wn, mask_a, mask_b, K, BLOCK_K)
-    _stream_update(y_a, B, R, R_Out, offs_a, mask_a, HAS_BIAS, dt)
-    _stream_update(y_b, B, R, R_Out, offs_b, mask_b, HAS_BIAS, dt)
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    y = row_products(X, W + offs[:, None].to(tl.int64) * stride_wn, mask, K, BLOCK_K)
+    if HAS_BIAS:
+        y += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    h = round_to(tl.load(R + offs, mask=mask, other=0.0).to(tl.float32) + round_to(y, dt), dt)  # torch's add
+    tl.store(R_Out + offs, h.to(dt), mask=mask)
     tl.debug_barrier()  # every thread's residual stores come before the (single-thread) release of the ticket
-    ticket = tl.atomic_add(Ticket, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:
-        offs = tl.arange(0, BLOCK_ROW)
-        mask = offs < N
-        h = tl.load(R_Out + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)  # past L1: other SMs
-        rstd = rms_rstd(tl.sum(h * h, axis=0), N, eps)
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + offs, rms_weighted(h, rstd, g, dt).to(dt), mask=mask)
-        tl.atomic_xchg(Ticket, 0)
+    if _last_to_finish(Tickets, GROUP, SPACING):
+        row = tl.arange(0, BLOCK_ROW)
+        row_mask = row < N
+        stream = tl.load(R_Out + row, mask=row_mask, other=0.0, cache_modifier=".cg").to(tl.float32)  # past L1
+        rstd = rms_rstd(tl.sum(stream * stream, axis=0), N, eps)
+        g = tl.load(G + row, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(Out + row, rms_weighted(stream, rstd, g, dt).to(dt), mask=row_mask)
 
 
 def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, config: GemvConfig = GemvConfig(),
-                  interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  interpret: bool = False, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(h), h) for h = residual + (x @ weight^T + bias) and one row x: what `linear` then
-    `RMSNorm.add_and_norm` give, in one launch. weight [N, K] with contiguous rows, residual and norm_weight [N]."""
+    `RMSNorm.add_and_norm` give, in one launch. weight [N, K] with contiguous rows, residual and norm_weight [N];
+    `group`: programs a group ticket counter (default GROUP; the grid's size: one counter, for measuring)."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(-1) != 1:
@@ -82,9 +97,14 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     new_residual = torch.empty_like(r1)
     out = torch.empty_like(r1)
     block_n, block_k, warps, stages = launch_params(n, k, config, interpret)
-    block_p = max(1, block_n // 2)
-    _gemv_add_norm_kernel[(triton.cdiv(n, 2 * block_p),)](
+    programs = triton.cdiv(n, block_n)
+    group = group or GROUP
+    if triton.cdiv(programs, group) > _MAX_GROUPS:
+        raise ValueError(f"gemv_add_norm: {programs} programs in groups of {group} need more than {_MAX_GROUPS} "
+                         "ticket counters")
+    _gemv_add_norm_kernel[(programs,)](
         one_row(x, k, "x"), weight, bias if bias is not None else weight, r1, norm_weight, new_residual, out,
-        _ticket(x.device), n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, BLOCK_P=block_p,
-        BLOCK_K=block_k, BLOCK_ROW=triton.next_power_of_2(n), num_warps=warps, num_stages=stages)
+        _tickets_for(x.device), n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_ROW=triton.next_power_of_2(n), GROUP=group, SPACING=_SPACING, num_warps=warps,
+        num_stages=stages)
     return out.reshape(*lead, n), new_residual.reshape(*lead, n)

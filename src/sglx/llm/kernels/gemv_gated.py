@@ -2,9 +2,10 @@
 kernel.
 
 Why: at batch 1 the SiLU-and-mul after Llama's gate_up GEMV is a launch of its own (32 a step, about 55 us of
-Llama-3.1-8B's 4.4 ms on the H200, session 23 profile). Each program here owns a few gate rows and the up rows of the
-same features (`pair_products`), so the activation is an epilogue on values it already holds. Roundings are the
-unfused path's: the products rounded to the dtype (the gate_up output), then torch's silu and product roundings.
+Llama-3.1-8B's 4.4 ms on the H200, session 23 profile). Each program here owns a few gate rows and the up rows of
+the same features in one tile (`row_products`), so the activation is an epilogue on values it already holds.
+Roundings are the unfused path's: the products rounded to the dtype (the gate_up output), then torch's silu and
+product roundings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from sglx.llm.kernels.activation import silu_mul
-from sglx.llm.kernels.gemv import GemvConfig, launch_params, one_row, pair_products
+from sglx.llm.kernels.gemv import GemvConfig, halves, launch_params, one_row, row_products
 from sglx.llm.kernels.rounding import round_to
 
 
@@ -22,15 +23,16 @@ from sglx.llm.kernels.rounding import round_to
 def _gemv_gated_kernel(X, W, B, Y, n_out, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     dt = Y.dtype.element_ty
-    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask = offs < n_out
-    gate_rows = W + offs[:, None].to(tl.int64) * stride_wn
-    g, up = pair_products(X, gate_rows, gate_rows + n_out * stride_wn, mask, mask, K,
-                          BLOCK_K)
+    lane = tl.arange(0, 2 * BLOCK_P)  # BLOCK_P gate rows, then the up rows of the same features
+    feature = tl.program_id(0) * BLOCK_P + lane % BLOCK_P
+    row = feature + (lane // BLOCK_P) * n_out
+    mask = feature < n_out
+    y = row_products(X, W + row[:, None].to(tl.int64) * stride_wn, mask, K, BLOCK_K)
     if HAS_BIAS:
-        g += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(B + n_out + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, silu_mul(round_to(g, dt), round_to(up, dt), dt).to(dt), mask=mask)
+        y += tl.load(B + row, mask=mask, other=0.0).to(tl.float32)
+    g, up = halves(y, BLOCK_P)
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    tl.store(Y + offs, silu_mul(round_to(g, dt), round_to(up, dt), dt).to(dt), mask=offs < n_out)
 
 
 def gemv_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
