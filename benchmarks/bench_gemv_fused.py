@@ -1,11 +1,10 @@
 """Batch-1 GEMVs with epilogues against the unfused kernels they replace, in CUDA graphs (Llama-3.1-8B shapes).
 
 Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/bench_gemv_fused.py --out gemv_fused.json
-Pairs: qkv + rotary + K/V store (gemv_rotary_store) against the GEMV then the rotary-and-store kernel; o_proj and down
-+ residual add + RMSNorm (gemv_add_norm) against the GEMV then the add + norm kernel; gate_up + SiLU-and-mul
-(gemv_gated) against the GEMV then silu_and_mul. Each runs as a chain of calls over distinct weights (at least 512
-MB together, as bench_gemv.py does) in one CUDA graph, after its output is checked against the unfused pair's; the
-plain GEMV alone is timed beside them, and the add + norm GEMV also with all programs on one ticket counter.
+Pairs: qkv + rotary + K/V store (gemv_rotary_store) against the GEMV then the rotary-and-store kernel; gate_up +
+SiLU-and-mul (gemv_gated) against the GEMV then silu_and_mul. Each runs as a chain of calls over distinct weights (at
+least 512 MB together, as bench_gemv.py does) in one CUDA graph, after its output is checked against the unfused
+pair's; the plain GEMV alone is timed beside them.
 """
 
 from __future__ import annotations
@@ -23,18 +22,14 @@ from sglx.attention.llm.kv_store import StepKVSlots
 from sglx.bench.timing import checked_us_in_graph, copy_bandwidth
 from sglx.llm.kernels.activation import silu_and_mul
 from sglx.llm.kernels.gemv import gemv
-from sglx.llm.kernels.gemv_add_norm import gemv_add_norm
 from sglx.llm.kernels.gemv_gated import gemv_gated
 from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
-from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
 from sglx.llm.kernels.rotary import apply_rotary_and_store_
 from sglx.llm.layers.rotary import RotaryEmbedding
 
 DEV = torch.device("cuda")
-EPS = 1e-5
 HQ, HKV, D = 32, 8, 128
-SHAPES = {"qkv + rotary + store": (6144, 4096), "o_proj + add + norm": (4096, 4096),
-          "gate_up + silu": (28672, 4096), "down + add + norm": (4096, 14336)}
+SHAPES = {"qkv + rotary + store": (6144, 4096), "gate_up + silu": (28672, 4096)}
 Call = Callable[[int], torch.Tensor]
 
 
@@ -44,12 +39,6 @@ def _pairs(name: str, ws: list[torch.Tensor], gen: torch.Generator) -> dict[str,
     x = torch.randn(1, k, generator=gen, device=DEV).bfloat16()
     if name.startswith("gate_up"):
         return {"fused": lambda i: gemv_gated(x, ws[i]), "unfused": lambda i: silu_and_mul(gemv(x, ws[i])[0])}
-    if name.endswith("norm"):
-        r = torch.randn(1, n, generator=gen, device=DEV).bfloat16()
-        g = (1 + 0.1 * torch.randn(n, generator=gen, device=DEV)).bfloat16()
-        return {"fused": lambda i: gemv_add_norm(x, ws[i], None, r, g, EPS)[0],
-                "fused, one ticket counter": lambda i: gemv_add_norm(x, ws[i], None, r, g, EPS, group=1 << 20)[0],
-                "unfused": lambda i: fused_add_rms_norm(gemv(x, ws[i])[0], r, g, EPS)[0]}
     cos, sin = RotaryEmbedding(D, 500000.0, None, 8192).cos_sin(torch.tensor([600], device=DEV), torch.bfloat16)
     kb = torch.zeros(4096, HKV, D, device=DEV, dtype=torch.bfloat16)
     vb = torch.zeros_like(kb)

@@ -54,7 +54,7 @@ def _gemv(norm: int, narrow: bool) -> tuple:
 
 
 def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
-    from sglx.llm.kernels import gemv_add_norm, gemv_gated, gemv_rotary
+    from sglx.llm.kernels import gemv_gated, gemv_rotary
 
     block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
     div16 = ("K", "stride_wn")
@@ -62,10 +62,6 @@ def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
         ptrs = dict.fromkeys(("X", "W", "B", "Y"), BF16)
         consts = dict(HAS_BIAS=True, BLOCK_P=block_n // 2, BLOCK_K=block_k)
         return kernel_source(gemv_gated._gemv_gated_kernel, consts, ptrs, div16=div16), warps, 3
-    if kind == "add_norm":
-        ptrs = {**dict.fromkeys(("X", "W", "B", "R", "G", "R_Out", "Out"), BF16), "Tickets": "*i32"}
-        consts = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_ROW=4096, GROUP=32, SPACING=32)
-        return kernel_source(gemv_add_norm._gemv_add_norm_kernel, consts, ptrs, ("eps",), div16), warps, 3
     kv = "*u8" if fmt else BF16
     ptrs = {**dict.fromkeys(("X", "W", "B", "Cos", "Sin", "Q"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
     consts = dict(D=128, HAS_BIAS=False, FMT=fmt, BLOCK_P=block_n // 2, BLOCK_K=block_k)
@@ -212,7 +208,6 @@ VARIANTS = {
     "gemv with rmsnorm inside": lambda: _gemv(1, True),
     "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),
-    "gemv + residual add + next rmsnorm (ticket tail)": lambda: _gemv_fused("add_norm", True),
     "gemv qkv + rotary + K/V store": lambda: _gemv_fused("rotary", False),
     "gemv qkv + rotary + fp8 e4m3 K/V store": lambda: _gemv_fused("rotary", False, 1),
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),

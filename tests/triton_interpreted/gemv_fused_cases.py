@@ -1,5 +1,5 @@
-"""The GEMVs with epilogues (sglx.llm.kernels.gemv_gated / gemv_add_norm / gemv_rotary) against float64 and
-against the unfused kernels they replace, and Llama's batch-1 decode route through them.
+"""The GEMVs with epilogues (sglx.llm.kernels.gemv_gated / gemv_rotary) against float64 and against the unfused
+kernels they replace, and Llama's batch-1 decode route through them.
 
 Runs only under TRITON_INTERPRET=1 (tests/test_gemv.py launches it in a child pytest). Each fused kernel rounds
 where the unfused path rounds (the GEMV output to the dtype, then the epilogue's own roundings), so against the
@@ -19,7 +19,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by t
 
 from sglx.attention.llm.kv_store import StepKVSlots  # noqa: E402
 from sglx.llm.kernels.gemv import GemvConfig, gemv  # noqa: E402
-from sglx.llm.kernels.gemv_add_norm import _tickets_for, gemv_add_norm  # noqa: E402
 from sglx.llm.kernels.gemv_gated import gemv_gated  # noqa: E402
 from sglx.llm.kernels.gemv_rotary import gemv_rotary_store  # noqa: E402
 
@@ -67,53 +66,6 @@ def test_gated_gemv_refuses_an_odd_or_misfit_weight():
         gemv_gated(x, torch.zeros(7, 16, dtype=torch.bfloat16), interpret=True)
     with pytest.raises(ValueError, match=r"\[2I, 16\]"):
         gemv_gated(x, torch.zeros(8, 12, dtype=torch.bfloat16), interpret=True)
-
-
-# ---------------------------------------------------------------- o_proj / down + residual add + the next norm
-
-@pytest.mark.parametrize("n,k,config,group", [(40, 96, GemvConfig(4, 32), None), (33, 64, GemvConfig(8, 16), 2),
-                                              (7, 40, GemvConfig(4, 64), None), (52, 32, GemvConfig(4, 32), 3)])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_add_norm_gemv_writes_torchs_residual_and_the_next_norm(n, k, config, group, dtype, bias):
-    """group: programs a ticket counter (2 and 3: several groups, the last one short, as at real sizes)."""
-    from sglx.llm.layers.norm import RMSNorm
-
-    x = _randn(1, k, seed=k + 1, dtype=dtype, scale=2.0)
-    w = _randn(n, k, seed=n + 2, dtype=dtype, scale=k ** -0.5)
-    b = _randn(n, seed=7, dtype=dtype) if bias else None
-    r = _randn(1, n, seed=n + 3, dtype=dtype, scale=3.0)
-    g = (1 + _randn(n, seed=n + 4, dtype=torch.float64, scale=0.2)).to(dtype)
-    out, updated = gemv_add_norm(x, w, b, r, g, EPS, config=config, interpret=True, group=group)
-    assert out.shape == updated.shape == (1, n) and out.dtype == dtype
-    delta = gemv(x, w, b, config=GemvConfig(config.block_n, config.block_k), interpret=True)[0]
-    assert torch.equal(updated, r + delta)  # the product as the plain GEMV rounds it, then torch's add
-    norm = RMSNorm(n, EPS)
-    norm.weight.data = g
-    want = norm._torch(updated)  # Hugging Face's norm of the same stream
-    assert _ulps(out, want, dtype) <= 2.0  # the float32 sum of squares may add in another order
-    s = updated.double()
-    exact = g.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
-    assert _ulps(out, exact, dtype) <= 3.0
-    assert not _tickets_for(x.device).any()  # the last drawers left every counter at 0 for the next launch
-
-
-def test_add_norm_gemv_runs_twice_with_one_ticket():
-    """The ticket resets itself: a second launch (a CUDA graph replay) norms again, from its own stream."""
-    x, w = _randn(1, 32, seed=1, dtype=torch.bfloat16), _randn(24, 32, seed=2, dtype=torch.bfloat16)
-    g = torch.ones(24, dtype=torch.bfloat16)
-    first = gemv_add_norm(x, w, None, _randn(1, 24, seed=3, dtype=torch.bfloat16), g, EPS, interpret=True)
-    r2 = _randn(1, 24, seed=4, dtype=torch.bfloat16)
-    second = gemv_add_norm(x, w, None, r2, g, EPS, interpret=True)
-    assert not torch.equal(first[0], second[0])
-    assert torch.equal(second[1], r2 + gemv(x, w, interpret=True)[0])
-
-
-def test_add_norm_gemv_refuses_a_norm_weight_of_another_width():
-    x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="norm weight of 7"):
-        gemv_add_norm(x, w, None, torch.zeros(1, 8, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16),
-                      EPS, interpret=True)
 
 
 # ---------------------------------------------------------------- qkv + rotary + K/V store
@@ -181,8 +133,9 @@ def test_rotary_gemv_refuses_a_weight_that_is_not_whole_heads():
 # ---------------------------------------------------------------- Llama's batch-1 decode route
 
 def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | None):  # noqa: ANN001, ANN202
-    """bfloat16 tiny Llama, fused kernels forced on the CPU (interpreted), the backend lending its pool slots:
-    a 9-token extend, then 4 one-token decode steps (teacher-forced by `feed` when given)."""
+    """bfloat16 tiny Llama, fused kernels forced on the CPU (interpreted), the backend lending its pool slots, the
+    norm-inside width lowered below the model's so the epilogue route applies: a 9-token extend, then 4 one-token
+    decode steps (teacher-forced by `feed` when given)."""
     from llm_test_utils import PagedKVHarness
     from sglx.attention.llm import kv_store
     from sglx.attention.llm.torch_native import TorchNativeBackend
@@ -191,11 +144,13 @@ def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | No
 
     for module in (norm, mlp, rotary, linear):
         monkeypatch.setattr(module, "use_fused", lambda t: True)
-    monkeypatch.setattr(kv_store, "rotary_and_store", _interpreted_rotary_and_store)
+    for module in (norm, mlp, llama):
+        monkeypatch.setattr(module, "NORM_INSIDE_MAX_INPUTS", 16)
     monkeypatch.setattr(llama, "rotary_and_store", _interpreted_rotary_and_store)
     monkeypatch.setattr(TorchNativeBackend, "step_kv_slots", lambda self, layer, batch: kv_store.step_kv_slots(
         layer, batch))
-    monkeypatch.setattr(llama, "_EPILOGUES_ON", epilogues)
+    monkeypatch.setattr(llama, "_ROTARY_GEMV_ON", epilogues)
+    monkeypatch.setattr(mlp, "_GATED_GEMV_ON", epilogues)
     monkeypatch.setattr(linear, "_SKINNY_ON", False)  # the extend's rows: F.linear (the skinny GEMM has its tests)
     model, _ = load_model(model_dir, torch.bfloat16, "cpu")
     harness = PagedKVHarness(model, page_size=4)
@@ -218,24 +173,20 @@ def _interpreted_rotary_and_store(q, k, v, cos, sin, slots):  # noqa: ANN001, AN
 
 
 def test_llama_batch1_decode_through_the_fused_gemvs_equals_the_unfused_kernels(tmp_path, monkeypatch):
-    """Each decode step takes qkv+rotary+store, o_proj+add+norm, gate_up+SiLU and down+add+next norm (counted),
-    and gives the logits of the route with separate norm, rotary and SiLU kernels between plain GEMVs."""
+    """Each decode step takes qkv + rotary + K/V store and gate_up + SiLU-and-mul (counted) and gives the logits of
+    the route with the rotary and SiLU kernels after plain GEMVs: the same roundings, so the same numbers."""
     from llm_test_utils import make_tiny_model
-    from sglx.llm.kernels import gemv_add_norm, gemv_gated, gemv_rotary
+    from sglx.llm.kernels import gemv_gated, gemv_rotary
 
     model_dir = make_tiny_model(tmp_path, "llama")
     plain, fed = _decode_logits(model_dir, monkeypatch, False, None)
     calls: list[str] = []
-    for module, name in ((gemv_add_norm, "gemv_add_norm"), (gemv_gated, "gemv_gated"),
-                         (gemv_rotary, "gemv_rotary_store")):
+    for module, name in ((gemv_gated, "gemv_gated"), (gemv_rotary, "gemv_rotary_store")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     fused, _ = _decode_logits(model_dir, monkeypatch, True, fed)
     layers = 2  # make_tiny_model's llama
     assert calls.count("gemv_rotary_store") == 4 * layers and calls.count("gemv_gated") == 4 * layers
-    assert calls.count("gemv_add_norm") == 2 * 4 * layers
-    assert torch.equal(fused[0], plain[0])  # the extend does not take the route
-    for a, b in zip(fused[1:], plain[1:]):  # the unfused route norms inside its GEMVs at this width, without
-        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # the normed row's two bfloat16 roundings
-        assert a.abs().max() < 100  # real logits of the tiny model, not overflowed garbage
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert fused[1].abs().max() < 100  # real logits of the tiny model, not overflowed garbage
     assert [int(x.argmax(-1)) for x in fused[:-1]] == fed

@@ -32,7 +32,6 @@ def _gemv_rotary_kernel(X, W, B, Cos, Sin, Q, K_Buf, V_Buf, Loc, k_scale, v_scal
     pid = tl.program_id(0)
     dt = Q.dtype.element_ty
     half: tl.constexpr = D // 2
-    slot = tl.load(Loc).to(tl.int64)
     if pid < rotary_programs:  # BLOCK_P rotary pairs (row i and row i + D/2 of one q or k head) in one tile
         lane = tl.arange(0, 2 * BLOCK_P)
         pair = pid * BLOCK_P + lane % BLOCK_P
@@ -51,6 +50,7 @@ def _gemv_rotary_kernel(X, W, B, Cos, Sin, Q, K_Buf, V_Buf, Loc, k_scale, v_scal
         o1 = round_to(round_to(x1 * c, dt) - round_to(x2 * s, dt), dt)
         o2 = round_to(round_to(x2 * c, dt) + round_to(x1 * s, dt), dt)
         is_q = head < n_q_heads
+        slot = tl.load(Loc).to(tl.int64)  # after the loop: live across it, it cost registers (and occupancy)
         q_dst = Q + head * D + i
         tl.store(q_dst, o1.to(dt), mask=mask & is_q)
         tl.store(q_dst + half, o2.to(dt), mask=mask & is_q)
@@ -65,7 +65,8 @@ def _gemv_rotary_kernel(X, W, B, Cos, Sin, Q, K_Buf, V_Buf, Loc, k_scale, v_scal
         v_y = row_products(X, W + v_row[:, None].to(tl.int64) * stride_wn, v_mask, K, BLOCK_K)
         if HAS_BIAS:
             v_y += tl.load(B + v_row, mask=v_mask, other=0.0).to(tl.float32)
-        tl.store(V_Buf + slot * stride_vt + (v // D) * stride_vh + v % D,
+        v_slot = tl.load(Loc).to(tl.int64)
+        tl.store(V_Buf + v_slot * stride_vt + (v // D) * stride_vh + v % D,
                  encode_for_pool(round_to(v_y, dt), v_scale, FMT, V_Buf.dtype.element_ty), mask=v_mask)
 
 

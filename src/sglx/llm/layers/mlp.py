@@ -10,9 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglx.llm.kernels import use_fused
-from sglx.llm.layers.linear import Linear
+from sglx.llm.kernels import env_switch, use_fused
+from sglx.llm.layers.linear import Linear, gemv_eligible
+from sglx.llm.layers.norm import NORM_INSIDE_MAX_INPUTS, RMSNorm
 from sglx.llm.layers.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+
+# SGLX_GEMV_EPILOGUES=0: a batch-1 decode step keeps the SiLU-and-mul kernel after a plain gate_up GEMV
+_GATED_GEMV_ON = env_switch("SGLX_GEMV_EPILOGUES")
 
 
 class GatedMLP(nn.Module):
@@ -34,6 +38,22 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
+
+    def after_norm(self, norm: RMSNorm, delta: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this MLP of norm(residual + delta), residual + delta): the decoder layer's post-attention add + norm and
+        the MLP. One CUDA row too wide for the norm inside the gate_up GEMV (`RMSNorm.norm_linear`) takes the norm
+        kernel, then the gate_up GEMV with SiLU-and-mul in its epilogue (sglx.llm.kernels.gemv_gated: the SiLU
+        kernel's launch saved); otherwise `norm_linear`, then `down`."""
+        proj = self.gate_up_proj
+        if (_GATED_GEMV_ON and delta.shape[-1] > NORM_INSIDE_MAX_INPUTS
+                and gemv_eligible(delta, proj.weight, proj.bias)):
+            from sglx.llm.kernels.gemv_gated import gemv_gated
+
+            h, residual = norm.add_and_norm(delta, residual)
+            return self.down_proj(gemv_gated(h, proj.weight, proj.bias)), residual
+        gate_up, residual = norm.norm_linear(delta, residual, proj.weight, proj.bias)
+        return self.down(gate_up), residual
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP after its gate_up product (callers that fuse the norm into that product start here)."""

@@ -40,6 +40,13 @@ class RMSNorm(nn.Module):
         updated = residual + delta
         return self._torch(updated), updated
 
+    def add_to_stream(self, delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta), or for the first layer's input (no residual yet)
+        (norm(delta), delta)."""
+        if residual is None:
+            return self(delta), delta
+        return self.add_and_norm(delta, residual)
+
     def norm_linear(self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(residual + delta)), residual + delta), or with no residual (the first layer's input)
@@ -52,9 +59,7 @@ class RMSNorm(nn.Module):
 
             y, updated = gemv(delta, weight, bias, NormInput(self.weight, self.eps, residual))
             return y, (delta if updated is None else updated)
-        if residual is None:
-            return linear(self(delta), weight, bias), delta
-        h, updated = self.add_and_norm(delta, residual)
+        h, updated = self.add_to_stream(delta, residual)
         return linear(h, weight, bias), updated
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,30 +1,17 @@
 """What the decoder-only models share: the body's forward and the choice of which rows become logits.
 
 Both bodies embed, compute the rotary tables once for the step, run layers that fold each residual add into the
-next RMSNorm (`layer(x, residual, cos, sin, batch, next_norm) -> (x, residual)`), and finish with the final norm;
-they differ only in what they build (parallel embeddings, MLA rotary width), so that stays in each model's file.
-A layer may hand on its output already added and normed by `next_norm` (`Normed`: Llama's batch-1 step does the
-add and the norm inside its down GEMV).
+next RMSNorm (`layer(x, residual, cos, sin, batch) -> (x, residual)`), and finish with the final norm; they differ
+only in what they build (parallel embeddings, MLA rotary width), so that stays in each model's file.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import RMSNorm, RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class Normed:
-    """A layer's output already added to the residual stream and normed by `norm` (the next layer's input norm, or
-    the final norm) inside the kernel that produced it: the next layer starts from `x` as its normed input."""
-
-    x: torch.Tensor
-    norm: RMSNorm
 
 
 class DecoderBody(nn.Module):
@@ -39,11 +26,8 @@ class DecoderBody(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        layers = list(self.layers)
-        for layer, after in zip(layers, [*(lay.input_layernorm for lay in layers[1:]), self.norm], strict=True):
-            x, residual = layer(x, residual, cos, sin, batch, after)
-        if isinstance(x, Normed):
-            return x.x
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]

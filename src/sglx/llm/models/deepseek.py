@@ -169,25 +169,20 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, residual before adding it): residual adds are folded into the next norm, and each
         norm and the product after it go through `RMSNorm.norm_linear` (at one row, narrow models take the norm
-        inside the GEMV). `next_norm` is not used: the next layer's norm takes the add (inside its GEMV at one row)."""
+        inside the GEMV)."""
         fused = self.self_attn.fused_input_weight()
         if fused is not None:
             q_kv_a, residual = self.input_layernorm.norm_linear(x, residual, *fused)
             attn = self.self_attn.attend_fused(q_kv_a, cos, sin, batch)
         else:  # no fused input weight (see fused_input_weight): the norm, then two projections
-            if residual is None:
-                residual, h = x, self.input_layernorm(x)
-            else:
-                h, residual = self.input_layernorm.add_and_norm(x, residual)
+            h, residual = self.input_layernorm.add_to_stream(x, residual)
             attn = self.self_attn(h, cos, sin, batch)
         if isinstance(self.mlp, DeepseekMoE):  # the post-attention norm may run inside its router
             return self.mlp.forward_after_norm(attn, residual, self.post_attention_layernorm)
-        proj = self.mlp.gate_up_proj
-        gate_up, residual = self.post_attention_layernorm.norm_linear(attn, residual, proj.weight, proj.bias)
-        return self.mlp.down(gate_up), residual
+        return self.mlp.after_norm(self.post_attention_layernorm, attn, residual)
 
 
 class DeepseekModel(DecoderBody):

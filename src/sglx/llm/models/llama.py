@@ -22,7 +22,8 @@ from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.kernels import env_switch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from sglx.llm.layers.linear import gemv_eligible, linear
+from sglx.llm.layers.linear import gemv_eligible
+from sglx.llm.layers.norm import NORM_INSIDE_MAX_INPUTS
 from sglx.llm.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -32,7 +33,7 @@ from sglx.llm.layers.parallel import (
     lm_logits,
 )
 from sglx.llm.model_config import ModelConfig
-from sglx.llm.models.decoder import DecoderBody, Normed, logit_hidden, no_logits
+from sglx.llm.models.decoder import DecoderBody, logit_hidden, no_logits
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _STACKED = {
@@ -43,10 +44,8 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# = sglx.llm.kernels.gemv_add_norm.MAX_FEATURES (that module imports triton)
-ADD_NORM_MAX_FEATURES = 16384
-# SGLX_GEMV_EPILOGUES=0: batch-1 decode keeps the norm, rotary and SiLU kernels between plain GEMVs
-_EPILOGUES_ON = env_switch("SGLX_GEMV_EPILOGUES")
+# SGLX_GEMV_EPILOGUES=0: a batch-1 decode step keeps the rotary kernel after a plain qkv GEMV
+_ROTARY_GEMV_ON = env_switch("SGLX_GEMV_EPILOGUES")
 # tensors some checkpoints carry that are recomputed, never loaded
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -82,6 +81,29 @@ class LlamaSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.attend(self.qkv_proj(x), cos, sin, batch)
 
+    def one_row_slots(self, x: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch) -> StepKVSlots | None:
+        """The pool slots for `attend_one_row` when this step may take it (one decode token on CUDA, the qkv product
+        fit for the GEMV and too wide for the norm inside it, no q/k norm, a backend that lends its slots), else
+        None."""
+        qkv = self.qkv_proj
+        if not (_ROTARY_GEMV_ON and batch.mode.is_decode and self.q_norm is None and batch.attn_backend is not None
+                and x.shape[-1] > NORM_INSIDE_MAX_INPUTS and cos.dtype == x.dtype
+                and gemv_eligible(x, qkv.weight, qkv.bias)):
+            return None
+        return batch.attn_backend.step_kv_slots(self.attn.spec, batch)
+
+    def attend_one_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                       slots: StepKVSlots) -> torch.Tensor:
+        """The layer from its normed input h for one decode token: the qkv GEMV rotates q and k and stores K/V to
+        `slots` in its epilogue (sglx.llm.kernels.gemv_rotary: the rotary kernel's launch saved), then attention
+        over the pool and o_proj."""
+        from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
+
+        spec = self.attn.spec
+        q = gemv_rotary_store(h, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, spec.num_q_heads,
+                              spec.num_kv_heads, slots)
+        return self.o_proj(self.attn.attend_stored(q.view(1, spec.num_q_heads, spec.head_dim), batch))
+
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer after its qkv product (the decoder layer fuses the input norm into that product)."""
         spec = self.attn.spec
@@ -107,77 +129,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | Normed, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm | None = None
-                ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, residual stream before adding it): each residual add is folded into the
         norm that follows it (one fused kernel on CUDA); the caller adds the last MLP output in the final norm.
-        A batch-1 CUDA decode step instead returns the output added and normed by `next_norm` (`Normed`, see
-        `_forward_one_row`).
 
-        x is the previous layer's MLP output (added to `residual` here), the embeddings when residual is None, or
-        this layer's normed input (`Normed`).
+        x is the previous layer's MLP output (added to `residual` here), or the embeddings when residual is None.
         """
-        slots = self._one_row_slots(x, batch, next_norm)
-        if slots is not None and next_norm is not None:
-            return self._forward_one_row(x, residual, cos, sin, batch, slots, next_norm)
-        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
-        if isinstance(x, Normed):
-            qkv = linear(x.x, qkv_proj.weight, qkv_proj.bias, skinny=False)
+        attn = self.self_attn
+        slots = attn.one_row_slots(x, cos, batch)
+        if slots is None:
+            qkv, residual = self.input_layernorm.norm_linear(x, residual, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            out = attn.attend(qkv, cos, sin, batch)
         else:
-            qkv, residual = self.input_layernorm.norm_linear(x, residual, qkv_proj.weight, qkv_proj.bias)
-        attn = self.self_attn.attend(qkv, cos, sin, batch)
-        gate_up, residual = self.post_attention_layernorm.norm_linear(attn, residual, gate_up_proj.weight,
-                                                                      gate_up_proj.bias)
-        return self.mlp.down(gate_up), residual
-
-    def _one_row_slots(self, x: torch.Tensor | Normed, batch: ForwardBatch, next_norm: RMSNorm | None
-                       ) -> StepKVSlots | None:
-        """The K/V slots when this step may take `_forward_one_row`: one decode token on one CUDA device (o_proj
-        and down are not all-reduced), every projection fit for the GEMV, no q/k norm, a backend that lets a
-        kernel store K/V; else None."""
-        row = x.x if isinstance(x, Normed) else x
-        attn, mlp = self.self_attn, self.mlp
-        if not (_EPILOGUES_ON and next_norm is not None and batch.mode.is_decode and row.shape[0] == 1
-                and attn.q_norm is None and current_tp().size == 1 and batch.attn_backend is not None):
-            return None
-        norms = (self.input_layernorm, self.post_attention_layernorm, next_norm)
-        if any(n.weight.dtype != row.dtype or n.weight.numel() > ADD_NORM_MAX_FEATURES for n in norms):
-            return None
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(gemv_eligible(row, p.weight, p.bias) for p in projections):  # the row's width is not checked
-            return None
-        return batch.attn_backend.step_kv_slots(attn.attn.spec, batch)
-
-    def _forward_one_row(self, x: torch.Tensor | Normed, residual: torch.Tensor | None, cos: torch.Tensor,
-                         sin: torch.Tensor, batch: ForwardBatch, slots: StepKVSlots, next_norm: RMSNorm
-                         ) -> tuple[Normed, torch.Tensor]:
-        """One decode token as four GEMVs and attention: qkv with rotary and the K/V store in its epilogue, o_proj
-        with the residual add and the post-attention norm, gate_up with SiLU-and-mul, down with the add and
-        `next_norm`. The same roundings as the unfused path (sglx.llm.kernels.gemv_*); 4 of the 8 kernels of a
-        layer's other route (norm, rotary, SiLU launches) are gone."""
-        from sglx.llm.kernels.gemv_add_norm import gemv_add_norm
-        from sglx.llm.kernels.gemv_gated import gemv_gated
-        from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
-
-        attn, mlp = self.self_attn, self.mlp
-        if isinstance(x, Normed):
-            h = x.x
-        elif residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        assert residual is not None, "a Normed input comes with its residual stream"
-        spec = attn.attn.spec
-        q = gemv_rotary_store(h, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, spec.num_q_heads,
-                              spec.num_kv_heads, slots)
-        o = attn.attn.attend_stored(q.view(1, spec.num_q_heads, spec.head_dim), batch)
-        post = self.post_attention_layernorm
-        h, residual = gemv_add_norm(o, attn.o_proj.weight, attn.o_proj.bias, residual, post.weight, post.eps)
-        act = gemv_gated(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        out, residual = gemv_add_norm(act, mlp.down_proj.weight, mlp.down_proj.bias, residual, next_norm.weight,
-                                      next_norm.eps)
-        return Normed(out, next_norm), residual
+            h, residual = self.input_layernorm.add_to_stream(x, residual)
+            out = attn.attend_one_row(h, cos, sin, batch, slots)
+        return self.mlp.after_norm(self.post_attention_layernorm, out, residual)
 
 
 class LlamaModel(DecoderBody):
