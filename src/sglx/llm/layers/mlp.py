@@ -1,7 +1,7 @@
 """SiLU-gated MLP (SwiGLU) with gate and up projections fused into one matmul.
 
-On CUDA tensors silu(gate) * up runs as one Triton kernel over the gate_up output (same roundings);
-CPU runs the torch code.
+On CUDA tensors silu(gate) * up runs as one Triton kernel over the gate_up output (same roundings), or, for one
+row wider than the norm-inside rule, in the gate_up GEMV's epilogue (`after_norm`); CPU runs the torch code.
 """
 
 from __future__ import annotations

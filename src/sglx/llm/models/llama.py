@@ -6,7 +6,9 @@ projections are fused into single matmuls (one launch each per layer); `load_wei
 Face's separate tensors into the fused ones. Each residual add is folded into the RMSNorm after it
 (`RMSNorm.add_and_norm`), so on CUDA a layer is GEMMs, attention and four fused Triton kernels
 (two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); each add+norm and the product after it go through
-`RMSNorm.norm_linear` (at one row, narrow models take the norm inside the GEMV). CPU runs the same math in torch.
+`RMSNorm.norm_linear` (at one row, narrow models take the norm inside the GEMV). At one row on wider models the
+qkv GEMV rotates q/k and stores K/V, and the gate_up GEMV applies SiLU-and-mul, in their epilogues
+(`LlamaSelfAttention.attend_one_row`, `GatedMLP.after_norm`). CPU runs the same math in torch.
 """
 
 from __future__ import annotations
