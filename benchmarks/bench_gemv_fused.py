@@ -2,8 +2,7 @@
 
 Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/bench_gemv_fused.py --out gemv_fused.json
 Pairs: qkv + rotary + K/V store (gemv_rotary_store) against the GEMV then the rotary-and-store kernel; gate_up +
-SiLU-and-mul (gemv_gated) against the GEMV then silu_and_mul; DeepSeek-V2-Lite's MoE layer for one token (moe_gemv)
-against fused_moe. Each runs as a chain of calls over distinct weights (at
+SiLU-and-mul (gemv_gated) against the GEMV then silu_and_mul. Each runs as a chain of calls over distinct weights (at
 least 512 MB together, as bench_gemv.py does) in one CUDA graph, after its output is checked against the unfused
 pair's; the plain GEMV alone is timed beside them.
 """
@@ -22,11 +21,9 @@ import triton
 from sglx.attention.llm.kv_store import StepKVSlots
 from sglx.bench.timing import checked_us_in_graph, copy_bandwidth
 from sglx.llm.kernels.activation import silu_and_mul
-from sglx.llm.kernels.fused_moe import fused_moe
 from sglx.llm.kernels.gemv import gemv
 from sglx.llm.kernels.gemv_gated import gemv_gated
 from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
-from sglx.llm.kernels.moe_gemv import moe_gemv
 from sglx.llm.kernels.rotary import apply_rotary_and_store_
 from sglx.llm.layers.rotary import RotaryEmbedding
 
@@ -55,34 +52,6 @@ def _pairs(name: str, ws: list[torch.Tensor], gen: torch.Generator) -> dict[str,
         return q[0]
 
     return {"fused": lambda i: gemv_rotary_store(x, ws[i], None, cos, sin, HQ, HKV, slots), "unfused": unfused}
-
-
-def _moe_case(gen: torch.Generator) -> dict:
-    """DeepSeek-V2-Lite's MoE layer for one token (64 experts of width 1408, top 6, 2 shared experts as experts
-    64 and 65): moe_gemv against fused_moe (the token's pairs laid out by moe_align inside it), two layers' weights
-    (2.2 GB) in the chain, each call routing to other experts."""
-    experts, hidden, inter, calls = 64, 2048, 1408, 2
-    w13 = [torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEV).mul_(hidden ** -0.5).bfloat16()
-           for _ in range(calls)]
-    w2 = [torch.randn(experts, hidden, inter, generator=gen, device=DEV).mul_(inter ** -0.5).bfloat16()
-          for _ in range(calls)]
-    shared = [(torch.randn(4 * inter, hidden, generator=gen, device=DEV).mul_(hidden ** -0.5).bfloat16(),
-               torch.randn(hidden, 2 * inter, generator=gen, device=DEV).mul_(inter ** -0.5).bfloat16())
-              for _ in range(calls)]
-    x = torch.randn(1, hidden, generator=gen, device=DEV).bfloat16()
-    ids = [torch.tensor([[3 + 7 * i, 11 + i, 20, 33 - i, 47, 58 + i, 64, 65]], device=DEV) for i in range(calls)]
-    weights = torch.tensor([[0.3, 0.2, 0.15, 0.15, 0.1, 0.1, 1.0, 1.0]], device=DEV)
-    calls_of = {"moe_gemv": lambda i: moe_gemv(x, w13[i], w2[i], weights, ids[i], shared=shared[i]),
-                "fused_moe": lambda i: fused_moe(x, w13[i], w2[i], weights, ids[i], shared=shared[i])}
-    want = calls_of["fused_moe"](0).float()
-    nbytes = 8 * 3 * inter * hidden * 2
-    case = dict(case="v2-lite moe, one token", experts_read=8, weight_bytes=nbytes, calls=calls, rows={})
-    for label, call in calls_of.items():
-        row = checked_us_in_graph(call, calls, want, 2e-2 * want.abs().max().item(), DEV)
-        if "us_per_call" in row:
-            row["of_copy"] = nbytes / row["us_per_call"] / 1e6 * 1e12 / copy_bandwidth(DEV)
-        case["rows"][label] = row
-    return case
 
 
 def main() -> None:
@@ -114,12 +83,6 @@ def main() -> None:
                                                    for lb, row in case["rows"].items()), flush=True)
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
-    case = _moe_case(gen)
-    report["cases"].append(case)
-    print(f"{case['case']}: " + ", ".join(f"{lb} {row.get('us_per_call', float('nan')):.2f} us"
-                                         for lb, row in case["rows"].items()), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,8 @@
 # Session 24 device stages (one `run` call for one or more: `bash benchmarks/run_session24_gpu.sh tests fused`).
 #   tests    GPU tests of the GEMVs (plain and with epilogues), fused layers, CUDA graphs, Triton backend (engine vs
 #            transformers at batch 1 takes the fused route)
-#   fused    the GEMVs with epilogues against the unfused kernel pairs, the one-token MoE GEMVs against fused_moe,
-#            in graphs (bench_gemv_fused.py)
+#   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
 #   ab       one-batch at batch 1, Llama-3.1-8B, SGLX_GEMV_EPILOGUES=1 / 0 alternated in fresh processes
-#   abmoe    one-batch at batch 1, DeepSeek-V2-Lite, SGLX_MOE_GEMV=1 / 0 alternated in fresh processes
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
 set -u
@@ -32,20 +30,6 @@ for stage in "$@"; do
             --output "$WORK/one_batch_${model}_epi${epi}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
           python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
             "$WORK/one_batch_${model}_epi${epi}_r${rep}.json"
-          tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
-        done
-      done ;;
-    abmoe)  # DeepSeek-V2-Lite batch-1 one-batch with the one-token MoE GEMVs on and off, fresh processes alternated
-      for rep in $(seq 1 "${REPS:-2}"); do
-        for moe in 1 0; do
-          model=deepseek-v2-lite
-          echo "--- round $rep SGLX_MOE_GEMV=$moe $model $(date +%T)"
-          SGLX_MOE_GEMV=$moe PYTHONPATH=$PWD/src timeout 150 python3 -m sglx bench one-batch --model-path $model \
-            --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
-            --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
-            --output "$WORK/one_batch_${model}_moegemv${moe}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
-          python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
-            "$WORK/one_batch_${model}_moegemv${moe}_r${rep}.json"
           tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
         done
       done ;;

@@ -68,18 +68,6 @@ def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
     return kernel_source(gemv_rotary._gemv_rotary_kernel, consts, ptrs, ("k_scale", "v_scale"), div16), warps, 3
 
 
-def _moe_gemv(down: bool) -> tuple:
-    from sglx.llm.kernels import moe_gemv
-
-    if down:
-        ptrs = {**dict.fromkeys(("Inter", "W2", "S2", "Add", "Out"), BF16), "Ids": "*i64", "Routed_W": "*fp32"}
-        consts = dict(HAS_ADD=False, BLOCK_N=4, BLOCK_K=1024)
-        return kernel_source(moe_gemv._down_sum_kernel, consts, ptrs, div16=("N_INTER", "stride_wn")), 8, 3
-    ptrs = {**dict.fromkeys(("X", "W13", "S13", "Inter"), BF16), "Ids": "*i64"}
-    consts = dict(BLOCK_P=4, BLOCK_K=512)
-    return kernel_source(moe_gemv._gate_up_kernel, consts, ptrs, div16=("H", "stride_wn")), 4, 3
-
-
 def _moe_gemm(fuse_silu: bool, routed: bool, shared: bool) -> tuple:
     from sglx.llm.kernels.fused_moe import _moe_gemm_kernel
 
@@ -222,8 +210,6 @@ VARIANTS = {
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),
     "gemv qkv + rotary + K/V store": lambda: _gemv_fused("rotary", False),
     "gemv qkv + rotary + fp8 e4m3 K/V store": lambda: _gemv_fused("rotary", False, 1),
-    "moe gemv gate/up + SiLU, one token": lambda: _moe_gemv(False),
-    "moe gemv down + top-k sum, one token": lambda: _moe_gemv(True),
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),
     "moe down with shared experts": lambda: _moe_gemm(False, True, True),
     "moe gate/up": lambda: _moe_gemm(True, False, False),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglx.llm.deepseek_config import MoEConfig
-from sglx.llm.kernels import env_switch, fused_kernels_enabled, triton_available
+from sglx.llm.kernels import fused_kernels_enabled, triton_available
 from sglx.llm.layers.mlp import GatedMLP
 from sglx.llm.layers.norm import RMSNorm
 
@@ -35,7 +35,6 @@ ROUTER_MAX_TOKENS = 256  # = sglx.llm.kernels.moe_router.MAX_TOKENS (that module
 # and norms it. V2-Lite step profiles (session 15): batch 1, H200, router 7.3 us a layer against 4.9 + the norm's 2.4,
 # one launch less; batch 32, H100, its first version 10.9 against 6.4 + 2.7. Between 1 and 32 the limit is a choice.
 ROUTER_ADD_NORM_MAX_TOKENS = 8
-_MOE_GEMV_ON = env_switch("SGLX_MOE_GEMV")
 
 
 def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
@@ -122,13 +121,7 @@ class RoutedExperts(nn.Module):
         """sglx's Triton MoE: expert sort and both GEMMs on the device, no host sync (CUDA/ROCm, or interpreted);
         `add` joins in the kernel that sums the top-k outputs; `shared` (gate_up, down weights of the shared
         experts) runs them as experts E.. in the same launches (ids/weights carry them: fused_moe); `aligned`:
-        the expert blocks the fused router already laid out. One half-precision token takes `moe_gemv` (GEMVs on
-        the CUDA cores, the top-k sum inside the down product) unless SGLX_MOE_GEMV is 0."""
-        if _MOE_GEMV_ON and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
-            from sglx.llm.kernels.moe_gemv import moe_gemv
-
-            return moe_gemv(x, self.w13, self.w2, weights, ids, add=add, shared=shared,
-                            interpret=x.device.type == "cpu")
+        the expert blocks the fused router already laid out."""
         from sglx.llm.kernels.fused_moe import fused_moe
 
         return fused_moe(x, self.w13, self.w2, weights, ids, interpret=x.device.type == "cpu", add=add,
