@@ -53,6 +53,15 @@ def _gemv(norm: int, narrow: bool) -> tuple:
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
 
 
+def _rotary(store: bool, fmt: int) -> tuple:
+    from sglx.llm.kernels.rotary import _rotary_kernel
+
+    kv = "*u8" if fmt else BF16
+    ptrs = {**dict.fromkeys(("Q", "K", "Cos", "Sin", "V"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
+    consts = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, STORE=store, FMT=fmt, DV=128, BLOCK_DV=128)
+    return kernel_source(_rotary_kernel, consts, ptrs, ("k_scale", "v_scale")), 4, 1
+
+
 def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
     from sglx.llm.kernels import gemv_gated, gemv_rotary
 
@@ -207,6 +216,8 @@ VARIANTS = {
     "gemv, narrow launch": lambda: _gemv(0, True),
     "gemv with rmsnorm inside": lambda: _gemv(1, True),
     "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
+    "rotary": lambda: _rotary(False, 0),
+    "rotary + K/V store, fp8 e4m3 pool": lambda: _rotary(True, 1),
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),
     "gemv qkv + rotary + K/V store": lambda: _gemv_fused("rotary", False),
     "gemv qkv + rotary + fp8 e4m3 K/V store": lambda: _gemv_fused("rotary", False, 1),

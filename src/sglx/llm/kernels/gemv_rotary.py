@@ -18,6 +18,7 @@ import triton.language as tl
 
 from sglx.attention.kernels.common import encode_for_pool, kv_format
 from sglx.llm.kernels.gemv import GemvConfig, halves, launch_params, one_row, row_products
+from sglx.llm.kernels.rotary import rotate_pair
 from sglx.llm.kernels.rounding import round_to
 
 if TYPE_CHECKING:
@@ -47,8 +48,7 @@ def _gemv_rotary_kernel(X, W, B, Cos, Sin, Q, K_Buf, V_Buf, Loc, k_scale, v_scal
         i = pair % half
         c = tl.load(Cos + i, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(Sin + i, mask=mask, other=0.0).to(tl.float32)
-        o1 = round_to(round_to(x1 * c, dt) - round_to(x2 * s, dt), dt)
-        o2 = round_to(round_to(x2 * c, dt) + round_to(x1 * s, dt), dt)
+        o1, o2 = rotate_pair(x1, x2, c, s, dt)
         is_q = head < n_q_heads
         slot = tl.load(Loc).to(tl.int64)  # after the loop: live across it, it cost registers (and occupancy)
         q_dst = Q + head * D + i

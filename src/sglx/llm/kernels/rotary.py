@@ -19,6 +19,15 @@ from sglx.llm.kernels.rounding import round_to
 
 
 @triton.jit
+def rotate_pair(x1, x2, c, s, DT: tl.constexpr):
+    """NeoX rotation of the pair (x1, x2) = (x[i], x[i + D/2]) by cos/sin c, s, in torch's roundings to DT: each
+    product, then the sum (float32 values of dtype DT)."""
+    o1 = round_to(round_to(x1 * c, DT) - round_to(x2 * s, DT), DT)
+    o2 = round_to(round_to(x2 * c, DT) + round_to(x1 * s, DT), DT)
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                   DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr):
     """Rotate n_heads rows of one token in place; STORE also writes them (fp8-encoded when FMT) to Buf."""
@@ -28,8 +37,7 @@ def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.con
         ptr = Base + heads[:, None] * stride_h + offs_d[None, :]
         x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1 = round_to(round_to(x1 * c, DT) - round_to(x2 * s, DT), DT)
-        o2 = round_to(round_to(x2 * c, DT) + round_to(x1 * s, DT), DT)
+        o1, o2 = rotate_pair(x1, x2, c, s, DT)
         tl.store(ptr, o1.to(DT), mask=mask)
         tl.store(ptr + HALF, o2.to(DT), mask=mask)
         if STORE:
