@@ -4,6 +4,7 @@
 #            transformers at batch 1 takes the fused route)
 #   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
 #   ab       one-batch at batch 1, Llama-3.1-8B, SGLX_GEMV_EPILOGUES=1 / 0 alternated in fresh processes
+#   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
 set -u
@@ -31,6 +32,23 @@ for stage in "$@"; do
           python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
             "$WORK/one_batch_${model}_epi${epi}_r${rep}.json"
           tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+        done
+      done ;;
+    abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C
+             # .old_src`, embedded models removed; carry .old_src), Llama-3.1-8B and DeepSeek-V2-Lite, fresh processes
+      for rep in $(seq 1 "${REPS:-2}"); do
+        for tree in new old; do
+          src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old_src/src
+          for model in llama-3.1-8b deepseek-v2-lite; do
+            echo "--- round $rep $tree $model $(date +%T)"
+            PYTHONPATH=$src timeout 150 python3 -m sglx bench one-batch --model-path $model \
+              --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
+              --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
+              --output "$WORK/one_batch_${model}_${tree}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
+              "$WORK/one_batch_${model}_${tree}_r${rep}.json"
+            tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+          done
         done
       done ;;
     profile)
