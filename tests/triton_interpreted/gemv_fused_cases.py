@@ -137,7 +137,6 @@ def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | No
     norm-inside width lowered below the model's so the epilogue route applies: a 9-token extend, then 4 one-token
     decode steps (teacher-forced by `feed` when given)."""
     from llm_test_utils import PagedKVHarness
-    from sglx.attention.llm import kv_store
     from sglx.attention.llm.torch_native import TorchNativeBackend
     from sglx.llm.layers import linear, mlp, norm, rotary
     from sglx.llm.models import llama, load_model
@@ -147,8 +146,7 @@ def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | No
     for module in (norm, mlp, llama):
         monkeypatch.setattr(module, "NORM_INSIDE_MAX_INPUTS", 16)
     monkeypatch.setattr(llama, "rotary_and_store", _interpreted_rotary_and_store)
-    monkeypatch.setattr(TorchNativeBackend, "step_kv_slots", lambda self, layer, batch: kv_store.step_kv_slots(
-        layer, batch))
+    monkeypatch.setattr(TorchNativeBackend, "lends_pool_slots", True)
     monkeypatch.setattr(llama, "_ROTARY_GEMV_ON", epilogues)
     monkeypatch.setattr(mlp, "_GATED_GEMV_ON", epilogues)
     monkeypatch.setattr(linear, "_SKINNY_ON", False)  # the extend's rows: F.linear (the skinny GEMM has its tests)

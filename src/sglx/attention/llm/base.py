@@ -60,6 +60,9 @@ class AttentionBackend(ABC):
     # kv_cache.py). The runner gives such a pool only when every selected backend says True; the others
     # get one static scale per layer (1.0, or the checkpoint's k_scale/v_scale).
     kv_scales_per_token: ClassVar[bool] = False
+    # the pool is sglx's layout, written by sglx's store kernel: a kernel that computes this step's K/V may store them
+    # itself (`step_kv_slots`)
+    lends_pool_slots: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -69,10 +72,14 @@ class AttentionBackend(ABC):
         """Build per-step metadata (indices, plans) once; every layer reuses it."""
 
     def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
-        """Where the kernel that computes this step's K/V (rotary, the batch-1 qkv GEMV) may store them itself, or
-        None (the default): the layer then calls `forward` with save_kv_cache=True and the backend stores. A
-        layer that used the slots calls `forward` with save_kv_cache=False."""
-        return None
+        """Where the kernel that computes this step's K/V (rotary, the batch-1 qkv GEMV) may store them itself (backends
+        that set `lends_pool_slots`), or None: the layer then calls `forward` with save_kv_cache=True and the backend
+        stores. A layer that used the slots calls `forward` with save_kv_cache=False."""
+        if not self.lends_pool_slots:
+            return None
+        from sglx.attention.llm.kv_store import step_kv_slots  # kv_store imports this module
+
+        return step_kv_slots(layer, batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                 batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
 from sglx.attention.llm.fa_metadata import FlashGraphState, FlashMetadata, build_flash_metadata
-from sglx.attention.llm.kv_store import StepKVSlots, step_kv_slots, store_step_kv
+from sglx.attention.llm.kv_store import store_step_kv
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -27,6 +27,7 @@ class PagedFlashBackend(AttentionBackend):
     """Base of the FlashAttention backends; `_attend` is the kernel call, `_check_page_size` its page rule."""
 
     supports_cuda_graph = True
+    lends_pool_slots = True
     instead: ClassVar[str] = "--attention-backend triton"  # what errors suggest in its place
 
     def __init__(self, ctx: BackendContext, kernel: Any = None) -> None:
@@ -88,11 +89,6 @@ class PagedFlashBackend(AttentionBackend):
     # ------------------------------------------------------------------ K/V stores
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
         store_step_kv(k, v, layer, batch)
-
-    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
-        """Slots for a kernel that stores this step's K/V itself (rotary, the batch-1 qkv GEMV): one launch fewer
-        a layer; the pool is written exactly as store_step_kv writes it."""
-        return step_kv_slots(layer, batch)
 
     # ------------------------------------------------------------------ attention
     def paged_cache(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 
 from sglx.attention.kernels.page_table import build_page_table, page_table_torch, paged_lengths
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
-from sglx.attention.llm.kv_store import StepKVSlots, step_kv_slots, store_step_kv
+from sglx.attention.llm.kv_store import store_step_kv
 from sglx.attention.llm.plan_fence import PlanFence
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
@@ -192,6 +192,7 @@ class GraphState:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    lends_pool_slots = True
     kv_dtype_per_layer = True  # plans per KV dtype: fp8 pools with layers kept in the model dtype
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -334,11 +335,6 @@ class FlashInferBackend(AttentionBackend):
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
         """This step's K/V into the pool: sglx's Triton store kernel on GPUs (fp8 encode included)."""
         store_step_kv(k, v, layer, batch)
-
-    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
-        """Slots for a kernel that stores this step's K/V itself (rotary, the batch-1 qkv GEMV): one launch fewer
-        a layer; the pool is written exactly as store_step_kv writes it."""
-        return step_kv_slots(layer, batch)
 
     def paged_kv(self, layer: LayerSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers as FlashInfer NHD pages [pages, page_size, Hkv, D] (views, no copy)."""

@@ -29,7 +29,7 @@ from sglx.attention.kernels.decode_attention import (
 from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention
 from sglx.attention.kernels.kv_indices import build_kv_metadata
 from sglx.attention.llm.base import AttentionBackend, BackendContext, LayerSpec
-from sglx.attention.llm.kv_store import StepKVSlots, step_kv_slots, store_step_kv
+from sglx.attention.llm.kv_store import store_step_kv
 from sglx.errors import BackendUnavailableError
 from sglx.llm.forward_batch import ForwardBatch
 
@@ -75,6 +75,7 @@ class _PrefillGraphState:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    lends_pool_slots = True
     supports_prefill_cuda_graph = True
     kv_scales_per_token = True
 
@@ -213,11 +214,6 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------ attention
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> None:
         store_step_kv(k, v, layer, batch, kernel_on_cpu=True)  # CPU tensors: the kernel under the interpreter
-
-    def step_kv_slots(self, layer: LayerSpec, batch: ForwardBatch) -> StepKVSlots | None:
-        """Slots for a kernel that stores this step's K/V itself (rotary, the batch-1 qkv GEMV): one launch fewer
-        a layer; the pool is written exactly as store_step_kv writes it."""
-        return step_kv_slots(layer, batch)
 
     def _kernel_args(self, layer: LayerSpec, batch: ForwardBatch) -> dict:
         pool = batch.token_kv_pool
