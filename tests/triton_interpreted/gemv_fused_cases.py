@@ -143,12 +143,10 @@ def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | No
 
     for module in (norm, mlp, rotary, linear):
         monkeypatch.setattr(module, "use_fused", lambda t: True)
-    for module in (norm, mlp, llama):
-        monkeypatch.setattr(module, "NORM_INSIDE_MAX_INPUTS", 16)
+    monkeypatch.setattr(norm, "NORM_INSIDE_MAX_INPUTS", 16)
     monkeypatch.setattr(llama, "rotary_and_store", _interpreted_rotary_and_store)
     monkeypatch.setattr(TorchNativeBackend, "lends_pool_slots", True)
-    monkeypatch.setattr(llama, "_ROTARY_GEMV_ON", epilogues)
-    monkeypatch.setattr(mlp, "_GATED_GEMV_ON", epilogues)
+    monkeypatch.setattr(norm, "_EPILOGUES_ON", epilogues)
     monkeypatch.setattr(linear, "_SKINNY_ON", False)  # the extend's rows: F.linear (the skinny GEMM has its tests)
     model, _ = load_model(model_dir, torch.bfloat16, "cpu")
     harness = PagedKVHarness(model, page_size=4)

@@ -10,13 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglx.llm.kernels import env_switch, use_fused
-from sglx.llm.layers.linear import Linear, gemv_eligible
-from sglx.llm.layers.norm import NORM_INSIDE_MAX_INPUTS, RMSNorm
+from sglx.llm.kernels import use_fused
+from sglx.llm.layers.linear import Linear
+from sglx.llm.layers.norm import RMSNorm, epilogue_gemv_applies
 from sglx.llm.layers.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
-
-# SGLX_GEMV_EPILOGUES=0: a batch-1 decode step keeps the SiLU-and-mul kernel after a plain gate_up GEMV
-_GATED_GEMV_ON = env_switch("SGLX_GEMV_EPILOGUES")
 
 
 class GatedMLP(nn.Module):
@@ -46,8 +43,7 @@ class GatedMLP(nn.Module):
         kernel, then the gate_up GEMV with SiLU-and-mul in its epilogue (sglx.llm.kernels.gemv_gated: the SiLU
         kernel's launch saved); otherwise `norm_linear`, then `down`."""
         proj = self.gate_up_proj
-        if (_GATED_GEMV_ON and delta.shape[-1] > NORM_INSIDE_MAX_INPUTS
-                and gemv_eligible(delta, proj.weight, proj.bias)):
+        if epilogue_gemv_applies(delta, proj.weight, proj.bias):
             from sglx.llm.kernels.gemv_gated import gemv_gated
 
             h, residual = norm.add_and_norm(delta, residual)

@@ -9,13 +9,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglx.llm.kernels import use_fused
+from sglx.llm.kernels import env_switch, use_fused
 from sglx.llm.layers.linear import gemv_eligible, linear
 
 # Rows up to this wide take the norm inside the GEMV. Measured in graphs on the H200 (bench_gemv.py, session 23):
 # DeepSeek-V2-Lite's q + kv_a (2,048 inputs) 7.80 us against 8.79 for the norm kernel then the GEMV; Llama-3.1-8B's
 # qkv and gate_up (4,096) 22.96 / 68.45 us against 18.62 / 63.91, so there the norm stays a kernel of its own.
 NORM_INSIDE_MAX_INPUTS = 2048
+# SGLX_GEMV_EPILOGUES=0: wider one-row products keep plain GEMVs, then the rotary and SiLU-and-mul kernels
+_EPILOGUES_ON = env_switch("SGLX_GEMV_EPILOGUES")
+
+
+def epilogue_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the one-row product of a normed row takes a GEMV with an epilogue (qkv + rotary + K/V store, gate_up
+    + SiLU-and-mul: sglx.llm.kernels.gemv_rotary / gemv_gated) after the norm kernel: rows wider than
+    NORM_INSIDE_MAX_INPUTS (narrower ones take the norm inside the GEMV instead), fit for the GEMV. Measured on the
+    H200 (session 24): qkv 15.98 us against 18.09 for the GEMV then the rotary kernel, gate_up 61.05 against 62.68."""
+    return _EPILOGUES_ON and x.shape[-1] > NORM_INSIDE_MAX_INPUTS and gemv_eligible(x, weight, bias)
 
 
 class RMSNorm(nn.Module):

@@ -22,10 +22,8 @@ from sglx.attention.llm.base import LayerSpec
 from sglx.attention.llm.kv_store import StepKVSlots, rotary_and_store
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
-from sglx.llm.kernels import env_switch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from sglx.llm.layers.linear import gemv_eligible
-from sglx.llm.layers.norm import NORM_INSIDE_MAX_INPUTS
+from sglx.llm.layers.norm import epilogue_gemv_applies
 from sglx.llm.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -46,8 +44,6 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# SGLX_GEMV_EPILOGUES=0: a batch-1 decode step keeps the rotary kernel after a plain qkv GEMV
-_ROTARY_GEMV_ON = env_switch("SGLX_GEMV_EPILOGUES")
 # tensors some checkpoints carry that are recomputed, never loaded
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -88,9 +84,8 @@ class LlamaSelfAttention(nn.Module):
         fit for the GEMV and too wide for the norm inside it, no q/k norm, a backend that lends its slots), else
         None."""
         qkv = self.qkv_proj
-        if not (_ROTARY_GEMV_ON and batch.mode.is_decode and self.q_norm is None and batch.attn_backend is not None
-                and x.shape[-1] > NORM_INSIDE_MAX_INPUTS and cos.dtype == x.dtype
-                and gemv_eligible(x, qkv.weight, qkv.bias)):
+        if not (batch.mode.is_decode and self.q_norm is None and batch.attn_backend is not None
+                and cos.dtype == x.dtype and epilogue_gemv_applies(x, qkv.weight, qkv.bias)):
             return None
         return batch.attn_backend.step_kv_slots(self.attn.spec, batch)
 
