@@ -12,6 +12,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 COLUMNS=160
 SITE=${SITE:-/tmp/site}
+
+# one fresh `sglx bench one-batch` process at batch 1 (input 512, output 32) of <src> on <model> into <json>, its step
+# summarised; the caller's environment (SGLX_* switches) passes through
+one_batch_bs1() {
+  local src=$1 model=$2 json=$3
+  echo "    $model from $src"
+  PYTHONPATH=$src timeout 150 python3 -m sglx bench one-batch --model-path "$model" \
+    --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
+    --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
+    --output "$json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
+    "$json"
+  tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -23,15 +37,8 @@ for stage in "$@"; do
     ab)  # batch-1 one-batch with the epilogues on and off, fresh processes alternated
       for rep in $(seq 1 "${REPS:-2}"); do
         for epi in 1 0; do
-          model=llama-3.1-8b
-          echo "--- round $rep SGLX_GEMV_EPILOGUES=$epi $model $(date +%T)"
-          SGLX_GEMV_EPILOGUES=$epi PYTHONPATH=$PWD/src timeout 150 python3 -m sglx bench one-batch --model-path $model \
-            --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
-            --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
-            --output "$WORK/one_batch_${model}_epi${epi}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
-          python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
-            "$WORK/one_batch_${model}_epi${epi}_r${rep}.json"
-          tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+          echo "--- round $rep SGLX_GEMV_EPILOGUES=$epi $(date +%T)"
+          SGLX_GEMV_EPILOGUES=$epi one_batch_bs1 "$PWD/src" llama-3.1-8b "$WORK/one_batch_llama-3.1-8b_epi${epi}_r${rep}.json"
         done
       done ;;
     abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C
@@ -40,14 +47,8 @@ for stage in "$@"; do
         for tree in new old; do
           src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old_src/src
           for model in llama-3.1-8b deepseek-v2-lite; do
-            echo "--- round $rep $tree $model $(date +%T)"
-            PYTHONPATH=$src timeout 150 python3 -m sglx bench one-batch --model-path $model \
-              --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
-              --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
-              --output "$WORK/one_batch_${model}_${tree}_r${rep}.json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
-              "$WORK/one_batch_${model}_${tree}_r${rep}.json"
-            tar -czf "$OUT/s24.tgz" -C "$WORK" . 2>/dev/null
+            echo "--- round $rep $tree $(date +%T)"
+            one_batch_bs1 "$src" $model "$WORK/one_batch_${model}_${tree}_r${rep}.json"
           done
         done
       done ;;
