@@ -3,13 +3,14 @@
 #   tests    GPU tests of the GEMVs (plain and with epilogues), fused layers, CUDA graphs, Triton backend (engine vs
 #            transformers at batch 1 takes the fused route)
 #   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
-#   ab       one-batch at batch 1, Llama-3.1-8B, SGLX_GEMV_EPILOGUES=1 / 0 alternated in fresh processes
+#   ab       one-batch at batch 1, Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25: SGLX_FOLD_NORMS)
+#            = 1 / 0 alternated in fresh processes
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WORK=$(mktemp -d)
+WORK=/tmp/stages_work; mkdir -p "$WORK"  # kept across invocations in one call: each tar holds them all
 export PYTHONUNBUFFERED=1 COLUMNS=160
 SITE=${SITE:-/tmp/site}
 
@@ -29,16 +30,19 @@ one_batch_bs1() {
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 -p xdist \
-             tests/gpu/test_gemv_fused_gpu.py tests/gpu/test_gemv_gpu.py tests/gpu/test_fused_layers_gpu.py \
-             tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_triton_gpu.py tests/gpu/test_fp8_kv_gpu.py 2>&1 | tail -15 ;;
+    tests) PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout ${TESTS_S:-420} python3 -m pytest -m gpu -q -p no:cacheprovider \
+             -n 4 -p xdist ${TESTS:-tests/gpu/test_gemv_fused_gpu.py tests/gpu/test_gemv_gpu.py \
+             tests/gpu/test_fused_layers_gpu.py tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_triton_gpu.py \
+             tests/gpu/test_fp8_kv_gpu.py} 2>&1 | tail -15 ;;
     fused) PYTHONPATH=$PWD/src timeout 200 python3 benchmarks/bench_gemv_fused.py --out "$WORK/gemv_fused.json" \
              2>&1 | grep -v Warn | cut -c1-200 ;;
-    ab)  # batch-1 one-batch with the epilogues on and off, fresh processes alternated
+    ab)  # batch-1 one-batch with the switch on and off, fresh processes alternated
+      switch=${AB_SWITCH:-SGLX_GEMV_EPILOGUES}
       for rep in $(seq 1 "${REPS:-2}"); do
-        for epi in 1 0; do
-          echo "--- round $rep SGLX_GEMV_EPILOGUES=$epi $(date +%T)"
-          SGLX_GEMV_EPILOGUES=$epi one_batch_bs1 "$PWD/src" llama-3.1-8b "$WORK/one_batch_llama-3.1-8b_epi${epi}_r${rep}.json"
+        for on in 1 0; do
+          echo "--- round $rep $switch=$on $(date +%T)"
+          ( export "$switch=$on"; one_batch_bs1 "$PWD/src" llama-3.1-8b \
+              "$WORK/one_batch_llama-3.1-8b_${switch}${on}_r${rep}.json" )
         done
       done ;;
     abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C

@@ -132,9 +132,10 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None
 
 
 def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
-                    chat_template: str | None = CHAT_TEMPLATE, **overrides: Any) -> Path:
+                    chat_template: str | None = CHAT_TEMPLATE, std: float = 0.08, **overrides: Any) -> Path:
     """Save a tiny random `arch` model (+ tokenizer) in tmp_path/<arch>-<seed>; returns the directory.
 
+    std: the weights' spread (`randomize_`; wider models want less to keep bf16 logits near the float32 ones).
     overrides go to the transformers config (e.g. tie_word_embeddings=True, rope_scaling={...}).
     """
     from transformers import AutoModelForCausalLM
@@ -147,7 +148,7 @@ def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, max_shar
     config = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_(model, seed)
+    randomize_(model, seed, std)
     if config.tie_word_embeddings:
         model.tie_weights()
     save_kwargs: dict[str, Any] = {}

@@ -44,12 +44,12 @@ def _rmsnorm(residual: bool) -> tuple:
     return kernel_source(_rmsnorm_kernel, dict(HAS_RESIDUAL=residual, ROWS=1, BLOCK_N=2048), ptrs, ("eps",)), 4, 1
 
 
-def _gemv(norm: int, narrow: bool) -> tuple:
+def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tuple:
     from sglx.llm.kernels.gemv import _gemv_kernel
 
     ptrs = dict.fromkeys(("X", "R", "G", "R_Out", "W", "B", "Y"), BF16)
     block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
-    consts = dict(NORM=norm, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k)
+    consts = dict(NORM=norm, ADD=add, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
 
 
@@ -62,19 +62,21 @@ def _rotary(store: bool, fmt: int) -> tuple:
     return kernel_source(_rotary_kernel, consts, ptrs, ("k_scale", "v_scale")), 4, 1
 
 
-def _gemv_fused(kind: str, narrow: bool, fmt: int = 0) -> tuple:
+def _gemv_fused(kind: str, narrow: bool, fmt: int = 0, rms: int = 0, pdl: bool = False) -> tuple:
     from sglx.llm.kernels import gemv_gated, gemv_rotary
 
     block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
     div16 = ("K", "stride_wn")
+    folded = dict(RMS=rms, KP=4096 if rms else 1, PDL=pdl)
     if kind == "gated":
         ptrs = dict.fromkeys(("X", "W", "B", "Y"), BF16)
-        consts = dict(HAS_BIAS=True, BLOCK_P=block_n // 2, BLOCK_K=block_k)
-        return kernel_source(gemv_gated._gemv_gated_kernel, consts, ptrs, div16=div16), warps, 3
+        consts = dict(HAS_BIAS=True, BLOCK_P=block_n // 2, BLOCK_K=block_k, **folded)
+        return kernel_source(gemv_gated._gemv_gated_kernel, consts, ptrs, ("eps",), div16=div16), warps, 3
     kv = "*u8" if fmt else BF16
     ptrs = {**dict.fromkeys(("X", "W", "B", "Cos", "Sin", "Q"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
-    consts = dict(D=128, HAS_BIAS=False, FMT=fmt, BLOCK_P=block_n // 2, BLOCK_K=block_k)
-    return kernel_source(gemv_rotary._gemv_rotary_kernel, consts, ptrs, ("k_scale", "v_scale"), div16), warps, 3
+    consts = dict(D=128, HAS_BIAS=False, FMT=fmt, BLOCK_P=block_n // 2, BLOCK_K=block_k, **folded)
+    return (kernel_source(gemv_rotary._gemv_rotary_kernel, consts, ptrs, ("k_scale", "v_scale", "eps"), div16), warps,
+            3)
 
 
 def _moe_gemm(fuse_silu: bool, routed: bool, shared: bool) -> tuple:
@@ -221,6 +223,13 @@ VARIANTS = {
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),
     "gemv qkv + rotary + K/V store": lambda: _gemv_fused("rotary", False),
     "gemv qkv + rotary + fp8 e4m3 K/V store": lambda: _gemv_fused("rotary", False, 1),
+    "gemv + residual add": lambda: _gemv(0, True, add=True),
+    "gemv + residual add, PDL": lambda: _gemv(0, True, add=True, pdl=True),
+    "gemv gate_up + SiLU-and-mul, folded norm, PDL": lambda: _gemv_fused("gated", False, rms=1, pdl=True),
+    "gemv qkv + rotary + K/V store, folded norm, PDL": lambda: _gemv_fused("rotary", False, rms=2, pdl=True),
+    "gemv gate_up + SiLU-and-mul, folded norm": lambda: _gemv_fused("gated", False, rms=1),
+    "gemv qkv + rotary + K/V store, folded norm": lambda: _gemv_fused("rotary", False, rms=1),
+    "gemv qkv + rotary + K/V store, folded norm, pass before": lambda: _gemv_fused("rotary", False, rms=2),
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),
     "moe down with shared experts": lambda: _moe_gemm(False, True, True),
     "moe gate/up": lambda: _moe_gemm(True, False, False),

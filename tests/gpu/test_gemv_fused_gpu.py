@@ -59,3 +59,151 @@ def test_rotary_gemv_equals_gemv_then_rotary_and_store(hq, hkv, d, k, kv_cache_d
     assert torch.equal(q, q2[0])
     assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
     assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
+
+
+# ---------------------------------------------------------------- norm scales folded into the weights
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (2048, 1408)])
+def test_gemv_adding_to_a_row_equals_torchs_add(n, k):
+    from sglx.llm.kernels.gemv import gemv
+
+    x, w, r = _rand(1, k, seed=21), _rand(n, k, seed=22, scale=k ** -0.5), _rand(1, n, seed=23, scale=4.0)
+    assert torch.equal(gemv(x, w, add_to=r)[0], r + gemv(x, w)[0])
+
+
+def _folded(k: int, w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(w with a random norm scale folded in, float64 rmsnorm(x) w^T with the unfolded w, one rounding of each
+    product term as the bound)."""
+    from sglx.llm.layers.norm import RMSNorm
+    from sglx.llm.layers.norm_folding import fold_norm_into
+
+    norm = RMSNorm(k, 1e-5).to(DEV, torch.bfloat16)
+    norm.weight.data = (1 + 0.3 * _rand(k, seed=31, dtype=torch.float32)).bfloat16()
+    g = norm.weight.detach().double().clone()
+    folded = w.clone()
+    fold_norm_into(norm, folded)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+    bound = 4 * torch.finfo(torch.bfloat16).eps * (normed.abs() @ w.double().abs().t()).max().item()
+    return folded, normed @ w.double().t(), bound
+
+
+@pytest.mark.parametrize("rms_pass", [1, 2])
+def test_folded_norm_gemvs_at_llama_shapes_match_float64(rms_pass):
+    from sglx.attention.llm.kv_store import StepKVSlots
+    from sglx.llm.kernels.gemv import GemvConfig
+    from sglx.llm.kernels.gemv_gated import gemv_gated
+    from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
+    from sglx.llm.layers.rotary import RotaryEmbedding
+
+    k, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
+    config = GemvConfig(rms_pass=rms_pass)
+    x = _rand(1, k, seed=30, scale=3.0)
+    w = _rand(2 * inter, k, seed=32, scale=k ** -0.5)
+    folded, gu, bound = _folded(k, w, x)
+    g, u = gu[:, :inter], gu[:, inter:]
+    got = gemv_gated(x, folded, config=config, rms_eps=1e-5).double()
+    assert (got - g * torch.sigmoid(g) * u).abs().max().item() <= bound * (g.abs().max() + u.abs().max()).item()
+    w = _rand((hq + 2 * hkv) * d, k, seed=33, scale=k ** -0.5)
+    folded, full, bound = _folded(k, w, x)
+    cos, sin = RotaryEmbedding(d, 500000.0, None, 8192).cos_sin(torch.tensor([3071], device=DEV), torch.bfloat16)
+    kb = torch.zeros(16, hkv, d, device=DEV, dtype=torch.bfloat16)
+    vb = torch.zeros_like(kb)
+    q = gemv_rotary_store(x, folded, None, cos, sin, hq, hkv, StepKVSlots(kb, vb, torch.tensor([9], device=DEV),
+                          1.0, 1.0, None), config=config, rms_eps=1e-5).double()
+    c, s = cos.double()[0], sin.double()[0]
+    qd = full[:, :hq * d].reshape(hq, d)
+    want_q = qd * c + torch.cat([-qd[:, d // 2:], qd[:, :d // 2]], dim=-1) * s
+    tol = 2 * bound + 2 * torch.finfo(torch.bfloat16).eps * full.abs().max().item()
+    assert (q - want_q).abs().max().item() <= tol
+    assert (vb[9].double() - full[:, (hq + hkv) * d:].reshape(hkv, d)).abs().max().item() <= tol
+
+
+def _hf_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """transformers' float32 log-softmax over the vocabulary at each generated position (teacher-forced)."""
+    from llm_test_utils import load_hf_model
+
+    hf = load_hf_model(model_dir)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypatch, graphs):
+    """A Llama wider than the norm-inside rule (hidden 2560) in bf16 on the Triton backend: the norm scales are folded
+    into qkv / gate_up at load, so batch-1 decode steps launch only the final norm. Against transformers' float32
+    log-probabilities of the same tokens (teacher-forced), the folded model is as close as the unfolded one (bf16
+    noise, the fold's roundings added) and each greedy token is transformers' argmax up to that noise."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.engine import Engine
+    from sglx.llm.kernels import rmsnorm
+    from sglx.llm.layers import norm_folding
+
+    model_dir = make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
+                                num_attention_heads=20, num_key_value_heads=4, head_dim=128)
+    prompt, steps = [5, 77, 201, 9, 33, 140, 61, 2, 18, 40, 41], 12
+    norm_launches = {True: 0, False: 0}
+    now = {"fold": True}
+    real = rmsnorm._launch
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        norm_launches[now["fold"]] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rmsnorm, "_launch", counted)
+    off_argmax, off_logprob = {}, {}
+    for fold in (True, False):
+        monkeypatch.setattr(norm_folding, "_FOLD_ON", fold)
+        now["fold"] = fold
+        with Engine(model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
+                    max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs) as eng:
+            out = eng.generate(input_ids=[prompt], sampling_params=[{"max_new_tokens": steps, "temperature": 0.0,
+                                                                     "ignore_eos": True}], return_logprob=True)[0]
+        ref = _hf_logprobs(model_dir, prompt, out["output_ids"])
+        picked = ref[torch.arange(steps), torch.tensor(out["output_ids"])]
+        off_argmax[fold] = (ref.max(-1).values - picked).max().item()
+        off_logprob[fold] = (torch.tensor(out["output_logprobs"], dtype=torch.float64) - picked).abs().max().item()
+    print(f"largest log-probability gap to transformers {off_logprob}, to its argmax {off_argmax}")
+    assert off_logprob[True] <= 1.5 * off_logprob[False] + 0.02, (off_logprob, off_argmax)
+    assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
+    if not graphs:  # eager: every decode step's norms are Python calls; folded, only the final norm remains
+        assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
+
+
+# ---------------------------------------------------------------- programmatic dependent launch
+
+def test_pdl_chain_replayed_in_a_graph_equals_the_chain_without_pdl():
+    """A chain of GEMVs where each reads the one before (the residual stream through o_proj / gate_up / down shapes):
+    launched with PDL (each kernel launches during the previous one's tail and its programs wait before reading) and
+    replayed in a CUDA graph, it gives the numbers of the same chain launched plainly, bit for bit. A missing wait
+    would read the stream before the previous kernel wrote it."""
+    from sglx.llm.kernels.gemv import GemvConfig, gemv
+    from sglx.llm.kernels.gemv_gated import gemv_gated
+
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    hidden, inter, layers = 4096, 14336, 6
+    o = [_rand(hidden, hidden, seed=40 + i, scale=hidden ** -0.5) for i in range(layers)]
+    gu = [_rand(2 * inter, hidden, seed=50 + i, scale=hidden ** -0.5) for i in range(layers)]
+    down = [_rand(hidden, inter, seed=60 + i, scale=inter ** -0.5) for i in range(layers)]
+    x = _rand(1, hidden, seed=70)
+
+    def chain(config: GemvConfig) -> torch.Tensor:
+        h = x
+        for i in range(layers):
+            h = gemv(h, o[i], add_to=h, config=config)[0]
+            h = gemv(gemv_gated(h, gu[i], config=config, rms_eps=1e-5), down[i], add_to=h, config=config)[0]
+        return h
+
+    want = chain(GemvConfig(pdl=False))
+    pdl = GemvConfig(pdl=True)
+    chain(pdl)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(pdl)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert torch.equal(chain(pdl), want)  # eager PDL launches too

@@ -50,6 +50,23 @@ def test_gemv_matches_float64(n, k, config, dtype, bias):
 
 @pytest.mark.parametrize("n,k,config", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_adding_to_a_row_is_torchs_add_of_the_product(n, k, config, dtype, bias):
+    """add_to: the product rounded to the dtype, then torch's add to the row (one more rounding), bit for bit."""
+    x = _randn(1, k, seed=n + k, dtype=dtype)
+    w = _randn(n, k, seed=2 * n + k, dtype=dtype, scale=k ** -0.5)
+    b = _randn(n, seed=3, dtype=dtype) if bias else None
+    r = _randn(1, n, seed=11, dtype=dtype, scale=4.0)
+    got, residual = gemv(x, w, b, config=config, interpret=True, add_to=r)
+    product = gemv(x, w, b, config=config, interpret=True)[0]
+    assert residual is None and got.shape == (1, n) and torch.equal(got, r + product)
+    assert not torch.equal(got, product)
+    with pytest.raises(ValueError, match="add_to"):
+        gemv(x, w, b, NormInput(torch.ones(k, dtype=dtype), EPS), interpret=True, add_to=r)
+
+
+@pytest.mark.parametrize("n,k,config", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gemv_with_the_norm_inside_matches_float64_and_writes_torchs_residual(n, k, config, dtype, with_residual):
     from sglx.llm.layers.norm import RMSNorm

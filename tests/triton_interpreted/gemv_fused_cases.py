@@ -130,19 +130,89 @@ def test_rotary_gemv_refuses_a_weight_that_is_not_whole_heads():
         gemv_rotary_store(x, torch.zeros(32, 16, dtype=torch.bfloat16), None, cos, cos, 2, 1, two, interpret=True)
 
 
+# ---------------------------------------------------------------- norm scales folded into the weights
+
+def _folded(x: torch.Tensor, w: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(W with a random norm scale g folded into its columns, as sglx.llm.layers.norm_folding rounds it, the float64
+    product rmsnorm(x) W^T with the unfolded W and g, the bound of one rounding of each product term)."""
+    from sglx.llm.layers.norm import RMSNorm
+    from sglx.llm.layers.norm_folding import fold_norm_into
+
+    k = x.shape[-1]
+    norm = RMSNorm(k, EPS).to(x.dtype)
+    norm.weight.data = _randn(k, seed=seed, dtype=x.dtype, scale=0.5) + 1
+    g = norm.weight.detach().double().clone()
+    folded = w.clone()
+    fold_norm_into(norm, folded)
+    assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * g
+    terms = normed.abs() @ w.double().abs().t()
+    return folded, normed @ w.double().t(), 4 * torch.finfo(x.dtype).eps * terms.max().item()
+
+
+@pytest.mark.parametrize("rms_pass", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_gemv_norms_the_row_for_a_folded_weight(rms_pass, dtype):
+    n_out, k = 20, 96
+    x = _randn(1, k, seed=3, dtype=dtype, scale=3.0)
+    w = _randn(2 * n_out, k, seed=4, dtype=dtype, scale=k ** -0.5)
+    folded, gu, bound = _folded(x, w, seed=5)
+    got = gemv_gated(x, folded, config=GemvConfig(4, 32, rms_pass=rms_pass), interpret=True, rms_eps=EPS)
+    g, u = gu[:, :n_out], gu[:, n_out:]
+    want = g * torch.sigmoid(g) * u
+    assert (got.double() - want).abs().max().item() <= bound * (g.abs().max() + u.abs().max()).item() + 1e-3
+    unnormed = gemv_gated(x, folded, config=GemvConfig(4, 32), interpret=True)
+    assert (unnormed.double() - want).abs().max().item() > 10 * bound  # the norm is really applied
+
+
+@pytest.mark.parametrize("rms_pass", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_gemv_norms_the_row_for_a_folded_weight(rms_pass, dtype):
+    from sglx.llm.layers.rotary import RotaryEmbedding
+
+    hq, hkv, d, k = 4, 2, 16, 48
+    rows = (hq + 2 * hkv) * d
+    x = _randn(1, k, seed=6, dtype=dtype, scale=3.0)
+    w = _randn(rows, k, seed=7, dtype=dtype, scale=k ** -0.5)
+    folded, full, bound = _folded(x, w, seed=8)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 512).cos_sin(torch.tensor([37]), dtype)
+    pool = _pool(dtype, "auto", hkv, d)
+    loc = torch.tensor([3])
+    slots = StepKVSlots(pool.k_buffer[0], pool.v_buffer[0], loc, 1.0, 1.0, None)
+    q = gemv_rotary_store(x, folded, None, cos, sin, hq, hkv, slots, config=GemvConfig(4, 16, rms_pass=rms_pass),
+                          interpret=True, rms_eps=EPS)
+    c, sn = cos.double()[0], sin.double()[0]
+    half = d // 2
+
+    def rotated(t: torch.Tensor) -> torch.Tensor:
+        return t * c + torch.cat([-t[:, half:], t[:, :half]], dim=-1) * sn
+
+    want_q = rotated(full[:, :hq * d].reshape(hq, d))
+    want_k = rotated(full[:, hq * d:(hq + hkv) * d].reshape(hkv, d))
+    want_v = full[:, (hq + hkv) * d:].reshape(hkv, d)
+    tol = 2 * bound + 2 * torch.finfo(dtype).eps * full.abs().max().item()
+    assert (q.double() - want_q).abs().max().item() <= tol
+    assert (pool.k_buffer[0][3].double() - want_k).abs().max().item() <= tol
+    assert (pool.v_buffer[0][3].double() - want_v).abs().max().item() <= tol
+
+
 # ---------------------------------------------------------------- Llama's batch-1 decode route
 
-def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | None):  # noqa: ANN001, ANN202
+def _decode_logits(model_dir, monkeypatch, epilogues: bool, feed: list[int] | None,  # noqa: ANN001, ANN202
+                   fold: bool = False):
     """bfloat16 tiny Llama, fused kernels forced on the CPU (interpreted), the backend lending its pool slots, the
-    norm-inside width lowered below the model's so the epilogue route applies: a 9-token extend, then 4 one-token
-    decode steps (teacher-forced by `feed` when given)."""
+    norm-inside width lowered below the model's so the epilogue route applies (`fold`: with the norm scales folded
+    into the projections at load): a 9-token extend, then 4 one-token decode steps (teacher-forced by `feed` when
+    given)."""
     from llm_test_utils import PagedKVHarness
     from sglx.attention.llm.torch_native import TorchNativeBackend
-    from sglx.llm.layers import linear, mlp, norm, rotary
+    from sglx.llm.layers import linear, mlp, norm, norm_folding, rotary
     from sglx.llm.models import llama, load_model
 
-    for module in (norm, mlp, rotary, linear):
+    for module in (norm, mlp, rotary, linear, norm_folding):
         monkeypatch.setattr(module, "use_fused", lambda t: True)
+    monkeypatch.setattr(norm_folding, "_FOLD_ON", fold)
     monkeypatch.setattr(norm, "NORM_INSIDE_MAX_INPUTS", 16)
     monkeypatch.setattr(llama, "rotary_and_store", _interpreted_rotary_and_store)
     monkeypatch.setattr(TorchNativeBackend, "lends_pool_slots", True)
@@ -186,3 +256,28 @@ def test_llama_batch1_decode_through_the_fused_gemvs_equals_the_unfused_kernels(
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
     assert fused[1].abs().max() < 100  # real logits of the tiny model, not overflowed garbage
     assert [int(x.argmax(-1)) for x in fused[:-1]] == fed
+
+
+def test_llama_batch1_decode_with_folded_norms_launches_no_layer_norm(tmp_path, monkeypatch):
+    """With the norm scales folded into qkv and gate_up, a decode step runs each layer as the qkv GEMV (norm,
+    rotary, K/V store), attention, o_proj adding to the stream, gate_up (norm, SiLU) and down adding to the stream:
+    only the final norm is a norm kernel. The logits stay within the bf16 roundings the fold moves (the folded
+    weights' one rounding, the normed row's two skipped) of the unfolded route's, and greedy tokens agree."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.kernels import gemv, rmsnorm
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    plain, fed = _decode_logits(model_dir, monkeypatch, True, None)
+    calls: list[str] = []
+    real_gemv, real_norm = gemv.gemv, rmsnorm._launch
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append("add" if kw.get("add_to") is not None else "gemv")
+                        or real_gemv(*a, **kw))
+    monkeypatch.setattr(rmsnorm, "_launch", lambda *a, **kw: calls.append("norm") or real_norm(*a, **kw))
+    folded, _ = _decode_logits(model_dir, monkeypatch, True, fed, fold=True)
+    layers, steps = 2, 4
+    decode_calls = calls[calls.index("add"):]  # after the extend (norm kernels, F.linear)
+    assert decode_calls.count("add") == 2 * layers * steps
+    assert decode_calls.count("norm") == steps  # the final norm only
+    for a, b in zip(folded, plain):
+        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+    assert [int(x.argmax(-1)) for x in folded[1:]] == [int(x.argmax(-1)) for x in plain[1:]]

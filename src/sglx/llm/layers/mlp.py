@@ -51,6 +51,15 @@ class GatedMLP(nn.Module):
         gate_up, residual = norm.norm_linear(delta, residual, proj.weight, proj.bias)
         return self.down(gate_up), residual
 
+    def add_one_row(self, h: torch.Tensor, rms_eps: float) -> torch.Tensor:
+        """h + this MLP of rmsnorm(h) for one CUDA row, with the norm's scale folded into gate_up
+        (sglx.llm.layers.norm_folding): the gate_up GEMV norms and applies SiLU-and-mul, the down GEMV adds h."""
+        from sglx.llm.kernels.gemv import gemv
+        from sglx.llm.kernels.gemv_gated import gemv_gated
+
+        act = gemv_gated(h, self.gate_up_proj.weight, self.gate_up_proj.bias, rms_eps=rms_eps)
+        return gemv(act, self.down_proj.weight, self.down_proj.bias, add_to=h)[0]
+
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP after its gate_up product (callers that fuse the norm into that product start here)."""
         if use_fused(gate_up):

@@ -20,6 +20,10 @@ NORM_INSIDE_MAX_INPUTS = 2048
 _EPILOGUES_ON = env_switch("SGLX_GEMV_EPILOGUES")
 
 
+def epilogues_on() -> bool:
+    return _EPILOGUES_ON
+
+
 def epilogue_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the one-row product of a normed row takes a GEMV with an epilogue (qkv + rotary + K/V store, gate_up
     + SiLU-and-mul: sglx.llm.kernels.gemv_rotary / gemv_gated) after the norm kernel: rows wider than

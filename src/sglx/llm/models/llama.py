@@ -24,6 +24,7 @@ from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.norm import epilogue_gemv_applies
+from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies
 from sglx.llm.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -90,16 +91,21 @@ class LlamaSelfAttention(nn.Module):
         return batch.attn_backend.step_kv_slots(self.attn.spec, batch)
 
     def attend_one_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                       slots: StepKVSlots) -> torch.Tensor:
+                       slots: StepKVSlots, rms_eps: float | None = None) -> torch.Tensor:
         """The layer from its normed input h for one decode token: the qkv GEMV rotates q and k and stores K/V to
         `slots` in its epilogue (sglx.llm.kernels.gemv_rotary: the rotary kernel's launch saved), then attention
-        over the pool and o_proj."""
+        over the pool and o_proj. rms_eps (norms folded, sglx.llm.layers.norm_folding): h is the unnormed residual
+        stream, the qkv GEMV norms it, and the result is h + the layer's output (added in o_proj's epilogue)."""
+        from sglx.llm.kernels.gemv import gemv
         from sglx.llm.kernels.gemv_rotary import gemv_rotary_store
 
         spec = self.attn.spec
         q = gemv_rotary_store(h, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, spec.num_q_heads,
-                              spec.num_kv_heads, slots)
-        return self.o_proj(self.attn.attend_stored(q.view(1, spec.num_q_heads, spec.head_dim), batch))
+                              spec.num_kv_heads, slots, rms_eps=rms_eps)
+        out = self.attn.attend_stored(q.view(1, spec.num_q_heads, spec.head_dim), batch)
+        if rms_eps is None:
+            return self.o_proj(out)
+        return gemv(out, self.o_proj.weight, self.o_proj.bias, add_to=h)[0]
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer after its qkv product (the decoder layer fuses the input norm into that product)."""
@@ -125,6 +131,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, tp=current_tp())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norms_folded = False  # set by fold_norms: the norm scales live in qkv_proj and gate_up_proj
+
+    def fold_norms(self) -> None:
+        """Fold both norms' scales into the projections they feed (sglx.llm.layers.norm_folding)."""
+        fold_norm_into(self.input_layernorm, self.self_attn.qkv_proj.weight)
+        fold_norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj.weight)
+        self.norms_folded = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +148,10 @@ class LlamaDecoderLayer(nn.Module):
         """
         attn = self.self_attn
         slots = attn.one_row_slots(x, cos, batch)
+        if slots is not None and self.norms_folded:  # one row, no norm launches: the stream goes on as x
+            stream = x if residual is None else residual + x
+            h = attn.attend_one_row(stream, cos, sin, batch, slots, self.input_layernorm.eps)
+            return self.mlp.add_one_row(h, self.post_attention_layernorm.eps), None
         if slots is None:
             qkv, residual = self.input_layernorm.norm_linear(x, residual, attn.qkv_proj.weight, attn.qkv_proj.bias)
             out = attn.attend(qkv, cos, sin, batch)
@@ -170,6 +187,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def weights_loaded(self) -> None:
+        """Called by load_model once the weights are in: fold the norm scales into the projections where batch-1
+        decode steps can then skip the norm kernels (sglx.llm.layers.norm_folding; not with q/k norms, whose
+        layers keep the norm-then-GEMV route)."""
+        layers = list(self.model.layers)
+        if (layers and not self.config.qk_norm
+                and folding_applies(self.config.hidden_size, layers[0].self_attn.qkv_proj.weight, self.tp.size)):
+            for layer in layers:
+                layer.fold_norms()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = logit_hidden(self.model, batch)

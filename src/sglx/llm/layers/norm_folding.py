@@ -1,0 +1,38 @@
+"""RMSNorm scales folded into the projection each norm feeds, so a batch-1 decode step launches no norm kernel.
+
+Why: rmsnorm(x) W^T = (x * rstd * g) W^T = rstd * (x (W diag g)^T). With g multiplied into W's columns once at
+load time and the norm's own weight set to ones (so every other path, prefill and batched decode included, still
+computes the same function), the one-row GEMVs with epilogues read the unnormed residual stream, gather its sum of
+squares while they stream the weights and scale their sums by 1 / rms (`row_products`' RMS); the residual add
+moves into the epilogue of the product before (o_proj, down: `gemv(..., add_to=)`). A Llama-3.1-8B step then loses
+its 64 norm launches (about 3 us each on the H200, session 24 profile).
+
+The folded weight is rounded once to the model dtype (W * g in float32): against Hugging Face's norm-then-product
+the outputs differ by that rounding and the normed row's two roundings, like any kernel fusion. Only models whose
+batch-1 steps take the route are folded (`folding_applies`); `SGLX_FOLD_NORMS=0` keeps the norms as they load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglx.llm.kernels import env_switch, use_fused
+from sglx.llm.layers import norm as norm_rules
+from sglx.llm.layers.norm import RMSNorm
+
+_FOLD_ON = env_switch("SGLX_FOLD_NORMS")
+
+
+def folding_applies(hidden_size: int, weight: torch.Tensor, tp_size: int) -> bool:
+    """Whether a decoder of this width with this (loaded) projection weight folds its norms: CUDA half-precision
+    weights on one rank (the residual add in o_proj's epilogue needs the whole sum), rows wider than the
+    norm-inside rule (narrower models take the norm inside the GEMV already), the epilogue GEMVs switched on."""
+    return (_FOLD_ON and norm_rules.epilogues_on() and hidden_size > norm_rules.NORM_INSIDE_MAX_INPUTS and tp_size == 1
+            and weight.dtype in (torch.float16, torch.bfloat16) and use_fused(weight))
+
+
+@torch.no_grad()
+def fold_norm_into(norm: RMSNorm, weight: torch.Tensor) -> None:
+    """weight[:, j] *= norm.weight[j] (rounded once, from float32), then norm.weight = 1."""
+    weight.copy_((weight.float() * norm.weight.float()[None, :]).to(weight.dtype))
+    norm.weight.fill_(1.0)
