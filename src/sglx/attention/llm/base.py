@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from sglx.llm.forward_batch import ForwardBatch
-from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
-from sglx.llm.mla_kv_cache import MLATokenKVPool
-
-if TYPE_CHECKING:  # kv_store imports this module's LayerSpec
+if TYPE_CHECKING:  # annotations only: the contract does not load the runtime (kv_store imports LayerSpec from here)
     from sglx.attention.llm.kv_store import StepKVSlots
+    from sglx.llm.forward_batch import ForwardBatch
+    from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
 
 
 @dataclass(frozen=True)
