@@ -3,8 +3,8 @@
 #   tests    GPU tests of the GEMVs (plain and with epilogues), fused layers, CUDA graphs, Triton backend (engine vs
 #            transformers at batch 1 takes the fused route)
 #   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
-#   ab       one-batch at batch 1, Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25: SGLX_FOLD_NORMS)
-#            = 1 / 0 alternated in fresh processes
+#   ab       one-batch at batch 1, Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25: SGLX_FOLD_NORMS,
+#            SGLX_GEMV_PDL) at each of $AB_VALUES (default "1 0") in turn, fresh processes, $REPS rounds
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
@@ -39,7 +39,7 @@ for stage in "$@"; do
     ab)  # batch-1 one-batch with the switch on and off, fresh processes alternated
       switch=${AB_SWITCH:-SGLX_GEMV_EPILOGUES}
       for rep in $(seq 1 "${REPS:-2}"); do
-        for on in 1 0; do
+        for on in ${AB_VALUES:-1 0}; do
           echo "--- round $rep $switch=$on $(date +%T)"
           ( export "$switch=$on"; one_batch_bs1 "$PWD/src" llama-3.1-8b \
               "$WORK/one_batch_llama-3.1-8b_${switch}${on}_r${rep}.json" )
