@@ -35,13 +35,18 @@ def _bound(want: torch.Tensor, dtype: torch.dtype) -> float:
     return 2 * torch.finfo(dtype).eps * want.abs().max().item() + 1e-6
 
 
+def _operands(n: int, k: int, dtype: torch.dtype, bias: bool) -> tuple:
+    """(x [1, k], w [n, k], bias [n] or None) of the plain GEMV cases."""
+    x = _randn(1, k, seed=n + k, dtype=dtype)
+    w = _randn(n, k, seed=2 * n + k, dtype=dtype, scale=k ** -0.5)
+    return x, w, (_randn(n, seed=3, dtype=dtype) if bias else None)
+
+
 @pytest.mark.parametrize("n,k,config", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_float64(n, k, config, dtype, bias):
-    x = _randn(1, k, seed=n + k, dtype=dtype)
-    w = _randn(n, k, seed=2 * n + k, dtype=dtype, scale=k ** -0.5)
-    b = _randn(n, seed=3, dtype=dtype) if bias else None
+    x, w, b = _operands(n, k, dtype, bias)
     got, residual = gemv(x, w, b, config=config, interpret=True)
     want = x.double() @ w.double().t() + (b.double() if bias else 0)
     assert residual is None and got.shape == (1, n) and got.dtype == dtype
@@ -53,9 +58,7 @@ def test_gemv_matches_float64(n, k, config, dtype, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_adding_to_a_row_is_torchs_add_of_the_product(n, k, config, dtype, bias):
     """add_to: the product rounded to the dtype, then torch's add to the row (one more rounding), bit for bit."""
-    x = _randn(1, k, seed=n + k, dtype=dtype)
-    w = _randn(n, k, seed=2 * n + k, dtype=dtype, scale=k ** -0.5)
-    b = _randn(n, seed=3, dtype=dtype) if bias else None
+    x, w, b = _operands(n, k, dtype, bias)
     r = _randn(1, n, seed=11, dtype=dtype, scale=4.0)
     got, residual = gemv(x, w, b, config=config, interpret=True, add_to=r)
     product = gemv(x, w, b, config=config, interpret=True)[0]
