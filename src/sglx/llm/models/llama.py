@@ -8,7 +8,9 @@ Face's separate tensors into the fused ones. Each residual add is folded into th
 (two add+norms, rotary, SiLU-and-mul: see sglx.llm.kernels); each add+norm and the product after it go through
 `RMSNorm.norm_linear` (at one row, narrow models take the norm inside the GEMV). At one row on wider models the
 qkv GEMV rotates q/k and stores K/V, and the gate_up GEMV applies SiLU-and-mul, in their epilogues
-(`LlamaSelfAttention.attend_one_row`, `GatedMLP.after_norm`). CPU runs the same math in torch.
+(`LlamaSelfAttention.attend_one_row`, `GatedMLP.after_norm`); with the norm scales folded into qkv and gate_up at
+load (sglx.llm.layers.norm_folding) those GEMVs also norm their input and o_proj / down add to the residual stream,
+so such a step launches no norm kernel inside the layers. CPU runs the same math in torch.
 """
 
 from __future__ import annotations
@@ -140,11 +142,13 @@ class LlamaDecoderLayer(nn.Module):
         self.norms_folded = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this layer's MLP output, residual stream before adding it): each residual add is folded into the
         norm that follows it (one fused kernel on CUDA); the caller adds the last MLP output in the final norm.
+        A one-row step with folded norms returns (the residual stream with the MLP output added, None).
 
-        x is the previous layer's MLP output (added to `residual` here), or the embeddings when residual is None.
+        x is the previous layer's MLP output (added to `residual` here), or the stream itself when residual is None
+        (the embeddings, or a folded layer's output).
         """
         attn = self.self_attn
         slots = attn.one_row_slots(x, cos, batch)
