@@ -28,7 +28,7 @@ class DecoderBody(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)
-        if residual is None:  # no layers
+        if residual is None:  # no layers, or the last layer returned the stream itself (folded norms, one row)
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]
 
