@@ -20,8 +20,10 @@ NORM_INSIDE_MAX_INPUTS = 2048
 _EPILOGUES_ON = env_switch("SGLX_GEMV_EPILOGUES")
 
 
-def epilogues_on() -> bool:
-    return _EPILOGUES_ON
+def epilogue_width_applies(width: int) -> bool:
+    """The epilogue GEMVs' rule on a row's width: switched on, wider than NORM_INSIDE_MAX_INPUTS (narrower rows
+    take the norm inside the GEMV instead). Shared by `epilogue_gemv_applies` and norm folding at load."""
+    return _EPILOGUES_ON and width > NORM_INSIDE_MAX_INPUTS
 
 
 def epilogue_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -29,7 +31,7 @@ def epilogue_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     + SiLU-and-mul: sglx.llm.kernels.gemv_rotary / gemv_gated) after the norm kernel: rows wider than
     NORM_INSIDE_MAX_INPUTS (narrower ones take the norm inside the GEMV instead), fit for the GEMV. Measured on the
     H200 (session 24): qkv 15.98 us against 18.09 for the GEMV then the rotary kernel, gate_up 61.05 against 62.68."""
-    return _EPILOGUES_ON and x.shape[-1] > NORM_INSIDE_MAX_INPUTS and gemv_eligible(x, weight, bias)
+    return epilogue_width_applies(x.shape[-1]) and gemv_eligible(x, weight, bias)
 
 
 class RMSNorm(nn.Module):

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from sglx.llm.kernels import env_switch, use_fused
-from sglx.llm.layers import norm as norm_rules
-from sglx.llm.layers.norm import RMSNorm
+from sglx.llm.layers.norm import RMSNorm, epilogue_width_applies
 
 _FOLD_ON = env_switch("SGLX_FOLD_NORMS")
 
@@ -27,7 +26,7 @@ def folding_applies(hidden_size: int, weight: torch.Tensor, tp_size: int) -> boo
     """Whether a decoder of this width with this (loaded) projection weight folds its norms: CUDA half-precision
     weights on one rank (the residual add in o_proj's epilogue needs the whole sum), rows wider than the
     norm-inside rule (narrower models take the norm inside the GEMV already), the epilogue GEMVs switched on."""
-    return (_FOLD_ON and norm_rules.epilogues_on() and hidden_size > norm_rules.NORM_INSIDE_MAX_INPUTS and tp_size == 1
+    return (_FOLD_ON and epilogue_width_applies(hidden_size) and tp_size == 1
             and weight.dtype in (torch.float16, torch.bfloat16) and use_fused(weight))
 
 
