@@ -56,3 +56,21 @@ def test_add_and_norm_on_cpu_is_the_residual_add_then_the_norm():
     xf = updated.float()
     want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("switch", ["_FOLD_ON", "linear._GEMV_ON", "norm._EPILOGUES_ON"])
+def test_norm_folding_needs_its_switch_the_gemv_and_the_epilogues(monkeypatch: pytest.MonkeyPatch, switch: str):
+    """Folding at load only pays where batch-1 steps take the folded GEMV route: with any of the three switches
+    off the norms would run on folded weights, so nothing folds."""
+    from sglx.llm.layers import linear, norm, norm_folding
+
+    monkeypatch.setattr(norm_folding, "use_fused", lambda t: True)
+    weight = torch.zeros(8, 4096, dtype=torch.bfloat16)
+    assert norm_folding.folding_applies(4096, weight, 1)
+    assert not norm_folding.folding_applies(4096, weight, 2)  # o_proj's epilogue add needs the whole sum
+    assert not norm_folding.folding_applies(2048, weight, 1)  # the norm goes inside the GEMV at this width
+    assert not norm_folding.folding_applies(4096, weight.float(), 1)
+    owner, name = {"_FOLD_ON": (norm_folding, "_FOLD_ON"), "linear._GEMV_ON": (linear, "_GEMV_ON"),
+                   "norm._EPILOGUES_ON": (norm, "_EPILOGUES_ON")}[switch]
+    monkeypatch.setattr(owner, name, False)
+    assert not norm_folding.folding_applies(4096, weight, 1)
