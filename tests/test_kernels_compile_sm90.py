@@ -53,16 +53,6 @@ def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tupl
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
 
 
-def _rows_gemm(epi: int, rms: bool, splits: int, block_n: int = 64, block_k: int = 128, warps: int = 4,
-               stages: int = 4) -> tuple:
-    from sglx.llm.kernels.rows_gemm import _rows_gemm_kernel
-
-    ptrs = {**dict.fromkeys(("X", "W", "Y", "R"), BF16), "Part": "*fp32", "Part_ss": "*fp32", "Tickets": "*i32"}
-    consts = dict(EPI=epi, RMS=rms, SPLITS=splits, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k)
-    div16 = ("K", "stride_pm", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "k_per_split")
-    return kernel_source(_rows_gemm_kernel, consts, ptrs, ("eps",), div16=div16), warps, stages
-
-
 def _rotary(store: bool, fmt: int) -> tuple:
     from sglx.llm.kernels.rotary import _rotary_kernel
 
@@ -240,12 +230,6 @@ VARIANTS = {
     "gemv gate_up + SiLU-and-mul, folded norm": lambda: _gemv_fused("gated", False, rms=1),
     "gemv qkv + rotary + K/V store, folded norm": lambda: _gemv_fused("rotary", False, rms=1),
     "gemv qkv + rotary + K/V store, folded norm, pass before": lambda: _gemv_fused("rotary", False, rms=2),
-    "rows gemm, 64 rows": lambda: _rows_gemm(0, False, 1),
-    "rows gemm, 64 rows, K split": lambda: _rows_gemm(0, False, 4),
-    "rows gemm + residual add, K split": lambda: _rows_gemm(1, False, 2),
-    "rows gemm gate_up + SiLU-and-mul, folded norm": lambda: _rows_gemm(2, True, 1),
-    "rows gemm, folded norm, K split": lambda: _rows_gemm(0, True, 4),
-    "rows gemm, 128-column tiles, 8 warps": lambda: _rows_gemm(0, False, 1, 128, 64, 8, 4),
     "moe gate/up with shared experts": lambda: _moe_gemm(True, False, True),
     "moe down with shared experts": lambda: _moe_gemm(False, True, True),
     "moe gate/up": lambda: _moe_gemm(True, False, False),
