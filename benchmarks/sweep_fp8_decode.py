@@ -34,9 +34,11 @@ def main() -> None:
     ap.add_argument("--output", default="sweep_fp8_decode.json")
     ap.add_argument("--converts", default="", help="comma-separated fp8_convert values to time instead of VARIANTS")
     ap.add_argument("--grid", default="", help="BLOCK_NxWARPSxSTAGES launches (e.g. 64x4x3,128x4x2) for fp8 instead "
-                    "of VARIANTS, each at the automatic split count and twice it")
+                    "of VARIANTS, each at the --split-factors multiples of the automatic split count")
     ap.add_argument("--bf16-grid", default="", help="the same for the bf16 pool (default: its default launch only)")
     ap.add_argument("--pages", default="1,16")
+    ap.add_argument("--split-factors", default="1,2", help="--grid launches run at these multiples of the automatic "
+                    "split count (one- and two-warp programs need several splits to fill an SM)")
     args = ap.parse_args()
     converts = [c for c in args.converts.split(",") if c]
     grid = [tuple(int(x) for x in g.split("x")) for g in args.grid.split(",") if g] or VARIANTS
@@ -73,7 +75,8 @@ def main() -> None:
             if fp8 is None:
                 variants = [(None, None, None, None)] + [(bn, nw, st, None) for bn, nw, st in bf16_grid]
             for bn, nw, st, convert in variants:
-                for splits in ((auto, 2 * auto) if bn is not None else (auto,)):
+                factors = [int(f) for f in args.split_factors.split(",")] if bn is not None else [1]
+                for splits in [f * auto for f in factors]:
                     cfg = DecodeConfig(block_n=bn, num_warps=nw, num_stages=st,
                                        fp8_convert=convert if fp8 is not None else None)
                     out = torch.empty(BS, HQ, DIM, device=DEV, dtype=DTYPE)

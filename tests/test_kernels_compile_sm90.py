@@ -53,6 +53,15 @@ def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tupl
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
 
 
+def _gemv_gated_tma(rms: bool, bias: bool) -> tuple:
+    from sglx.llm.kernels import gemv_gated as g
+
+    ptrs = {**dict.fromkeys(("X", "B", "Y"), BF16), "W_desc": f"tensordesc<bf16[{g.TMA_BLOCK_P}, {g.TMA_BLOCK_K}]>"}
+    consts = dict(HAS_BIAS=bias, BLOCK_P=g.TMA_BLOCK_P, BLOCK_K=g.TMA_BLOCK_K, RMS=rms, STAGES=g.TMA_STAGES, PDL=True)
+    return (kernel_source(g._gemv_gated_tma_kernel, consts, ptrs, ("eps",), div16=("K", "n_out")), g.TMA_WARPS,
+            g.TMA_STAGES)
+
+
 def _rotary(store: bool, fmt: int) -> tuple:
     from sglx.llm.kernels.rotary import _rotary_kernel
 
@@ -227,6 +236,8 @@ VARIANTS = {
     "gemv + residual add, PDL": lambda: _gemv(0, True, add=True, pdl=True),
     "gemv gate_up + SiLU-and-mul, folded norm, PDL": lambda: _gemv_fused("gated", False, rms=1, pdl=True),
     "gemv qkv + rotary + K/V store, folded norm, PDL": lambda: _gemv_fused("rotary", False, rms=2, pdl=True),
+    "gemv gate_up + SiLU-and-mul by TMA, folded norm, PDL": lambda: _gemv_gated_tma(True, False),
+    "gemv gate_up + SiLU-and-mul by TMA, bias": lambda: _gemv_gated_tma(False, True),
     "gemv gate_up + SiLU-and-mul, folded norm": lambda: _gemv_fused("gated", False, rms=1),
     "gemv qkv + rotary + K/V store, folded norm": lambda: _gemv_fused("rotary", False, rms=1),
     "gemv qkv + rotary + K/V store, folded norm, pass before": lambda: _gemv_fused("rotary", False, rms=2),
@@ -282,3 +293,5 @@ def test_kernel_variant_compiles_for_sm90(name: str) -> None:
     kernel = compile_sm90(source, num_warps=warps, num_stages=stages)
     assert ".target sm_90a" in kernel.asm["ptx"] and kernel.asm["cubin"]
     assert kernel.metadata.shared <= 227 * 1024  # an H100 SM's shared memory for one program
+    if "by TMA" in name:  # the weight boxes pipelined through shared memory: a TMA load a stage in flight
+        assert kernel.asm["ptx"].count("cp.async.bulk.tensor") >= 2 * (stages - 1), "TMA loads not pipelined"

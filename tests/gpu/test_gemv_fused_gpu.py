@@ -20,15 +20,23 @@ def _rand(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n_out,k", [(14336, 4096), (1408, 2048), (1000, 1000)])
+@pytest.mark.parametrize("n_out,k", [(14336, 4096), (1408, 2048), (1000, 1000), (1001, 1000)])
 def test_gated_gemv_equals_gemv_then_silu_and_mul(n_out, k, dtype):
+    """The vector-load route bit for bit; the TMA route (its own tiles, so its own float32 sum order) within the
+    unfused kernels' own error against float64."""
     from sglx.llm.kernels.activation import silu_and_mul
-    from sglx.llm.kernels.gemv import gemv
-    from sglx.llm.kernels.gemv_gated import gemv_gated
+    from sglx.llm.kernels.gemv import GemvConfig, gemv
+    from sglx.llm.kernels.gemv_gated import gemv_gated, tma_route
 
     x, w = _rand(1, k, seed=1, scale=2.0, dtype=dtype), _rand(2 * n_out, k, seed=2, scale=k ** -0.5, dtype=dtype)
     b = _rand(2 * n_out, seed=3, dtype=dtype)
-    assert torch.equal(gemv_gated(x, w, b), silu_and_mul(gemv(x, w, b)[0]))
+    unfused = silu_and_mul(gemv(x, w, b)[0])
+    assert torch.equal(gemv_gated(x, w, b, config=GemvConfig(tma=False)), unfused)
+    assert tma_route(w, GemvConfig(), interpret=False)
+    gu = x.double() @ w.double().t() + b.double()
+    want = torch.nn.functional.silu(gu[:, :n_out]) * gu[:, n_out:]
+    err = (gemv_gated(x, w, b, config=GemvConfig(tma=True)).double() - want).abs().max().item()
+    assert err <= 1.5 * (unfused.double() - want).abs().max().item() + 1e-6, err
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
@@ -88,7 +96,7 @@ def _folded(k: int, w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return folded, normed @ w.double().t(), bound
 
 
-@pytest.mark.parametrize("rms_pass", [1, 2])
+@pytest.mark.parametrize("rms_pass", [1, 2, None])  # None: the default route (TMA on sm_90+)
 def test_folded_norm_gemvs_at_llama_shapes_match_float64(rms_pass):
     from sglx.attention.llm.kv_store import StepKVSlots
     from sglx.llm.kernels.gemv import GemvConfig

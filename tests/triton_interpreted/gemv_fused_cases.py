@@ -42,8 +42,15 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
                                             (16, 64, GemvConfig(2, 64))])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_gemv_is_silu_and_mul_of_the_gemv(n_out, k, config, dtype, bias):
+@pytest.mark.parametrize("tma", [False, True])
+def test_gated_gemv_is_silu_and_mul_of_the_gemv(n_out, k, config, dtype, bias, tma):
+    """Both routes (vector loads, TMA boxes: n_out 9 makes the last gate box run into the up rows, k 40 the last
+    step read past the weight's columns) equal the GEMV then SiLU-and-mul."""
+    from dataclasses import replace
+
     from sglx.llm.kernels.activation import silu_and_mul
+
+    config = replace(config, tma=tma)
 
     x = _randn(1, k, seed=k, dtype=dtype, scale=2.0)
     w = _randn(2 * n_out, k, seed=n_out, dtype=dtype, scale=k ** -0.5)
@@ -58,6 +65,23 @@ def test_gated_gemv_is_silu_and_mul_of_the_gemv(n_out, k, config, dtype, bias):
     bound = 4 * torch.finfo(dtype).eps * (g.abs() * u.abs() + (w.double().abs() @ x.double().abs().t()).t()
                                           [:, :n_out] * u.abs() + 1e-3).max().item()
     assert (got.double() - want).abs().max().item() <= bound
+
+
+def test_gated_gemv_takes_tma_where_a_descriptor_can_address_the_weight(monkeypatch):
+    from sglx.llm.kernels import gemv_gated as module
+
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert module.tma_route(w, GemvConfig(), interpret=True)
+    assert not module.tma_route(w, GemvConfig(tma=False), interpret=True)
+    assert not module.tma_route(w, GemvConfig(rms_pass=2), interpret=True)  # the TMA kernel sums in the loop only
+    assert not module.tma_route(torch.zeros(8, 12, dtype=torch.bfloat16), GemvConfig(), interpret=True)  # 24-byte rows
+    assert not module.tma_route(w, GemvConfig(), interpret=False)  # a CPU tensor has no TMA
+    monkeypatch.setattr(module, "_TMA_ON", False)
+    assert not module.tma_route(w, GemvConfig(), interpret=True)
+    launched = []
+    monkeypatch.setattr(module, "_gated_tma", lambda *a: launched.append(a))
+    gemv_gated(torch.zeros(1, 64, dtype=torch.bfloat16), w, config=GemvConfig(tma=True), interpret=True)
+    assert len(launched) == 1
 
 
 def test_gated_gemv_refuses_an_odd_or_misfit_weight():
@@ -151,14 +175,14 @@ def _folded(x: torch.Tensor, w: torch.Tensor, seed: int) -> tuple[torch.Tensor, 
     return folded, normed @ w.double().t(), 4 * torch.finfo(x.dtype).eps * terms.max().item()
 
 
-@pytest.mark.parametrize("rms_pass", [1, 2])
+@pytest.mark.parametrize("rms_pass,tma", [(1, False), (2, False), (None, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_gemv_norms_the_row_for_a_folded_weight(rms_pass, dtype):
+def test_gated_gemv_norms_the_row_for_a_folded_weight(rms_pass, tma, dtype):
     n_out, k = 20, 96
     x = _randn(1, k, seed=3, dtype=dtype, scale=3.0)
     w = _randn(2 * n_out, k, seed=4, dtype=dtype, scale=k ** -0.5)
     folded, gu, bound = _folded(x, w, seed=5)
-    got = gemv_gated(x, folded, config=GemvConfig(4, 32, rms_pass=rms_pass), interpret=True, rms_eps=EPS)
+    got = gemv_gated(x, folded, config=GemvConfig(4, 32, rms_pass=rms_pass, tma=tma), interpret=True, rms_eps=EPS)
     g, u = gu[:, :n_out], gu[:, n_out:]
     want = g * torch.sigmoid(g) * u
     assert (got.double() - want).abs().max().item() <= bound * (g.abs().max() + u.abs().max()).item() + 1e-3

@@ -22,10 +22,14 @@ SM90 = GPUTarget("cuda", 90, 32)
 def kernel_source(fn: Any, consts: dict[str, object], ptrs: dict[str, str], floats: Iterable[str] = (),
                   div16: Iterable[str] = ()) -> ASTSource:
     """`fn` (a @triton.jit function) with its constexprs set: pointer arguments typed by `ptrs` (e.g. "*bf16"),
-    `floats` as fp32, every other argument i32; pointers and `div16` get Triton's 16-divisibility hint, as a real
-    launch of aligned tensors and strides would."""
+    `floats` as fp32, every other argument i32; pointers, `div16` and every `stride*` argument get Triton's
+    16-divisibility hint, as a real launch of aligned tensors and strides would. Without it on the strides the
+    compiler cannot vectorise row loads, so it emits neither cp.async nor a software pipeline: a different kernel
+    from the one the GPU runs (session 26: decode stage 1 compiled to 236-255 registers that way, 90-128 as
+    launched)."""
     names = fn.arg_names
-    floats, div16 = set(floats), set(div16)
+    floats = set(floats)
+    div16 = set(div16) | {n for n in names if n.startswith("stride") and n not in consts}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}
     return ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)

@@ -31,6 +31,7 @@ class GemvConfig:
     num_stages: int | None = None
     pdl: bool | None = None  # programmatic dependent launch (sglx.llm.kernels.pdl); None: SGLX_GEMV_PDL
     rms_pass: int | None = None  # folded norm: sum of squares in the loop (1) or a pass before it (2); None: per kernel
+    tma: bool | None = None  # weight tiles by TMA where the kernel has that route (gemv_gated); None: SGLX_GEMV_TMA
 
 
 @triton.jit
