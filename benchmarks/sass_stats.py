@@ -65,9 +65,7 @@ def decode_source(over: dict) -> ASTSource:
     ptrs = {"Q": "*bf16", "K_Buf": "*u8", "V_Buf": "*u8", "Kv_Indptr": "*i32", "Kv_Indices": "*i32",
             "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16", "Semaphores": "*i32", "K_Scale": "*fp32",
             "V_Scale": "*fp32"}
-    div16 = {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ob",
-             "stride_oh", "stride_os", "stride_lb", "stride_out_t", "stride_out_h", "min_chunk", "window"}
-    return kernel_source(da._decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16)
+    return kernel_source(da._decode_stage1, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), ("min_chunk", "window"))
 
 
 def mla_source(over: dict) -> ASTSource:
@@ -75,9 +73,7 @@ def mla_source(over: dict) -> ASTSource:
                   SINGLE=True) | over
     ptrs = {"Q": "*bf16", "Q_pe": "*bf16", "Kv_Buf": "*u8" if consts["FMT"] else "*bf16", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "Mid_O": "*fp32", "Mid_Lse": "*fp32", "Out": "*bf16"}
-    div16 = {"stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kt", "stride_ob", "stride_oh", "stride_os",
-             "stride_lb", "stride_out_b", "stride_out_h", "min_chunk"}
-    return kernel_source(md._mla_decode_stage1, consts, ptrs, ("qk_scale", "v_scale"), div16)
+    return kernel_source(md._mla_decode_stage1, consts, ptrs, ("qk_scale", "v_scale"), ("min_chunk",))
 
 
 def ptxas(ptx: str, work: Path) -> tuple[str, str]:

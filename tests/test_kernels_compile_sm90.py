@@ -50,7 +50,7 @@ def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tupl
     ptrs = dict.fromkeys(("X", "R", "G", "R_Out", "W", "B", "Y"), BF16)
     block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
     consts = dict(NORM=norm, ADD=add, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
-    return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K", "stride_wn")), warps, 3
+    return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K")), warps, 3
 
 
 def _gemv_gated_tma(rms: bool, bias: bool) -> tuple:
@@ -75,7 +75,7 @@ def _gemv_fused(kind: str, narrow: bool, fmt: int = 0, rms: int = 0, pdl: bool =
     from sglx.llm.kernels import gemv_gated, gemv_rotary
 
     block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
-    div16 = ("K", "stride_wn")
+    div16 = ("K",)
     folded = dict(RMS=rms, KP=4096 if rms else 1, PDL=pdl)
     if kind == "gated":
         ptrs = dict.fromkeys(("X", "W", "B", "Y"), BF16)
@@ -149,8 +149,7 @@ def _mla_gluon_launch(fn, warps: int, kv: str = BF16, partials: str = "*fp32", *
     ptrs = {"Q": BF16, "Q_pe": BF16, "Kv_Buf": kv, "Kv_Indptr": "*i32", "Kv_Indices": "*i32", "Mid_O": partials,
             "Mid_Lse": "*fp32", "Out": BF16}
     consts = dict(H=128, BLOCK_H=64, R=512, DR=64, BLOCK_N=64, **consts)
-    div16 = [n for n in fn.arg_names if n.startswith("stride_")]
-    return gluon_source(fn, consts, ptrs, ("qk_scale", "v_scale"), div16), warps, 1
+    return gluon_source(fn, consts, ptrs, ("qk_scale", "v_scale")), warps, 1
 
 
 def _mla_stage1_gluon(single: bool, fmt: int = 0, partials: str = "*fp32") -> tuple:
@@ -192,9 +191,7 @@ def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = Tru
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
                   BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=fmt, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
                   PREFETCH=prefetch, SLOT64=slot64)
-    div16 = [n for n in _extend_kernel.arg_names if n.startswith("stride_")]  # as a real launch's strides: else
-    # the tiles load one element at a time and are never pipelined
-    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale"), div16), 8, 3
+    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
 
 
 def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
