@@ -64,7 +64,7 @@ def test_norm_folding_needs_its_switch_the_gemv_and_the_epilogues(monkeypatch: p
     off the norms would run on folded weights, so nothing folds."""
     from sglx.llm.layers import linear, norm, norm_folding
 
-    monkeypatch.setattr(norm_folding, "use_fused", lambda t: True)
+    monkeypatch.setattr(linear, "use_fused", lambda t: True)
     weight = torch.zeros(8, 4096, dtype=torch.bfloat16)
     assert norm_folding.folding_applies(4096, weight, 1)
     assert not norm_folding.folding_applies(4096, weight, 2)  # o_proj's epilogue add needs the whole sum

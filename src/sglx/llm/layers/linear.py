@@ -24,11 +24,17 @@ _SKINNY_ON = env_switch("SGLX_SKINNY_GEMM")
 _GEMV_ON = env_switch("SGLX_GEMV")
 
 
+def gemv_weight_eligible(weight: torch.Tensor) -> bool:
+    """Whether one-row products with this weight may go to the GEMV at all: switched on, a CUDA half-precision
+    weight with contiguous rows, fused kernels on (norm folding asks this at load, before any row exists)."""
+    return _GEMV_ON and weight.dtype in _HALF and weight.stride(-1) == 1 and use_fused(weight)
+
+
 def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether x @ weight^T (+ bias) may go to the one-row GEMV: a single CUDA half-precision row, weight and bias
-    of its dtype, fused kernels on."""
-    return (_GEMV_ON and x.numel() == x.shape[-1] and x.dtype in _HALF and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and use_fused(x))
+    """Whether x @ weight^T (+ bias) may go to the one-row GEMV: a single row of the weight's dtype and device, a
+    weight fit for it (`gemv_weight_eligible`), a bias of its dtype."""
+    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device == weight.device
+            and (bias is None or bias.dtype == x.dtype) and gemv_weight_eligible(weight))
 
 
 def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import torch
 
-from sglx.llm.kernels import env_switch, use_fused
-from sglx.llm.layers import linear
+from sglx.llm.kernels import env_switch
+from sglx.llm.layers.linear import gemv_weight_eligible
 from sglx.llm.layers.norm import RMSNorm, epilogue_width_applies
 
 _FOLD_ON = env_switch("SGLX_FOLD_NORMS")
 
 
 def folding_applies(hidden_size: int, weight: torch.Tensor, tp_size: int) -> bool:
-    """Whether a decoder of this width with this (loaded) projection weight folds its norms: CUDA half-precision
-    weights on one rank (the residual add in o_proj's epilogue needs the whole sum), rows wider than the
-    norm-inside rule (narrower models take the norm inside the GEMV already), the GEMVs and their epilogues switched
-    on (with `SGLX_GEMV=0` no step would take the folded route: the norms would run anyway, on folded weights)."""
-    return (_FOLD_ON and linear._GEMV_ON and epilogue_width_applies(hidden_size) and tp_size == 1
-            and weight.dtype in (torch.float16, torch.bfloat16) and use_fused(weight))
+    """Whether a decoder of this width with this (loaded) projection weight folds its norms: one rank (the residual
+    add in o_proj's epilogue needs the whole sum), rows wider than the norm-inside rule (narrower models take the norm
+    inside the GEMV already) with the epilogue GEMVs switched on, a weight the one-row GEMV takes (with `SGLX_GEMV=0`
+    no step would take the folded route: the norms would run anyway, on folded weights)."""
+    return _FOLD_ON and epilogue_width_applies(hidden_size) and tp_size == 1 and gemv_weight_eligible(weight)
 
 
 @torch.no_grad()
