@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from sglx.attention.kernels.common import has_tma
 from sglx.llm.kernels import env_switch
 from sglx.llm.kernels.activation import silu_mul
 from sglx.llm.kernels.gemv import GemvConfig, halves, launch_params, one_row, rms_args, row_products
@@ -94,8 +96,6 @@ def tma_route(weight: torch.Tensor, config: GemvConfig, interpret: bool) -> bool
     """Whether gemv_gated takes the TMA kernel: switched on (config.tma, else SGLX_GEMV_TMA), the folded norm (if
     any) summed in the loop, a device with TMA (or the interpreter), and a weight a descriptor can address (base and
     row stride 16-byte aligned)."""
-    from sglx.attention.kernels.common import has_tma
-
     on = _TMA_ON if config.tma is None else config.tma
     return (on and config.rms_pass in (None, 1) and (interpret or has_tma(weight.device))
             and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
@@ -103,8 +103,6 @@ def tma_route(weight: torch.Tensor, config: GemvConfig, interpret: bool) -> bool
 
 def _gated_tma(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                config: GemvConfig, interpret: bool, rms_eps: float | None) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     rows, k = weight.shape
     n_out = rows // 2
     if interpret:
