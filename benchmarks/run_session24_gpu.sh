@@ -3,8 +3,9 @@
 #   tests    GPU tests of the GEMVs (plain and with epilogues), fused layers, CUDA graphs, Triton backend (engine vs
 #            transformers at batch 1 takes the fused route)
 #   fused    the GEMVs with epilogues against the unfused kernel pairs, in graphs (bench_gemv_fused.py)
-#   ab       one-batch at batch 1, Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25: SGLX_FOLD_NORMS,
-#            SGLX_GEMV_PDL) at each of $AB_VALUES (default "1 0") in turn, fresh processes, $REPS rounds
+#   ab       one-batch at batch $BS (default 1), Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25:
+#            SGLX_FOLD_NORMS, SGLX_GEMV_PDL; session 27: SGLX_ROW_SCALED_NORMS with BS=64) at each of $AB_VALUES
+#            (default "1 0") in turn, fresh processes, $REPS rounds
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
@@ -14,13 +15,13 @@ WORK=/tmp/stages_work; mkdir -p "$WORK"  # kept across invocations in one call: 
 export PYTHONUNBUFFERED=1 COLUMNS=160
 SITE=${SITE:-/tmp/site}
 
-# one fresh `sglx bench one-batch` process at batch 1 (input 512, output 32) of <src> on <model> into <json>, its step
-# summarised; the caller's environment (SGLX_* switches) passes through
+# one fresh `sglx bench one-batch` process at batch $BS (default 1; input 512, output 32) of <src> on <model> into
+# <json>, its step summarised; the caller's environment (SGLX_* switches) passes through
 one_batch_bs1() {
   local src=$1 model=$2 json=$3
   echo "    $model from $src"
   PYTHONPATH=$src timeout 150 python3 -m sglx bench one-batch --model-path "$model" \
-    --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size 1 --input-len 512 \
+    --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size "${BS:-1}" --input-len 512 \
     --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
     --output "$json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
@@ -36,13 +37,13 @@ for stage in "$@"; do
              tests/gpu/test_fp8_kv_gpu.py} 2>&1 | tail -15 ;;
     fused) PYTHONPATH=$PWD/src timeout 200 python3 benchmarks/bench_gemv_fused.py --out "$WORK/gemv_fused.json" \
              2>&1 | grep -v Warn | cut -c1-200 ;;
-    ab)  # batch-1 one-batch with the switch on and off, fresh processes alternated
+    ab)  # one-batch at batch $BS with the switch on and off, fresh processes alternated
       switch=${AB_SWITCH:-SGLX_GEMV_EPILOGUES}
       for rep in $(seq 1 "${REPS:-2}"); do
         for on in ${AB_VALUES:-1 0}; do
           echo "--- round $rep $switch=$on $(date +%T)"
           ( export "$switch=$on"; one_batch_bs1 "$PWD/src" llama-3.1-8b \
-              "$WORK/one_batch_llama-3.1-8b_${switch}${on}_r${rep}.json" )
+              "$WORK/one_batch_llama-3.1-8b_bs${BS:-1}_${switch}${on}_r${rep}.json" )
         done
       done ;;
     abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C

@@ -62,13 +62,23 @@ def _gemv_gated_tma(rms: bool, bias: bool) -> tuple:
             g.TMA_STAGES)
 
 
-def _rotary(store: bool, fmt: int) -> tuple:
+def _rotary(store: bool, fmt: int, scaled: bool = False) -> tuple:
     from sglx.llm.kernels.rotary import _rotary_kernel
 
     kv = "*u8" if fmt else BF16
-    ptrs = {**dict.fromkeys(("Q", "K", "Cos", "Sin", "V"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
-    consts = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, STORE=store, FMT=fmt, DV=128, BLOCK_DV=128)
-    return kernel_source(_rotary_kernel, consts, ptrs, ("k_scale", "v_scale")), 4, 1
+    ptrs = {**dict.fromkeys(("Q", "K", "Cos", "Sin", "V", "H"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
+    consts = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, STORE=store, FMT=fmt, DV=128, BLOCK_DV=128,
+                  SCALED=scaled, BLOCK_HID=4096 if scaled else 16)
+    return kernel_source(_rotary_kernel, consts, ptrs, ("k_scale", "v_scale", "eps")), 4, 1
+
+
+def _silu_and_mul(scaled: bool) -> tuple:
+    from sglx.llm.kernels import activation as a
+
+    block = a.SCALED_BLOCK if scaled else a.BLOCK
+    consts = dict(BLOCK=block, SCALED=scaled, BLOCK_H=4096 if scaled else 16)
+    return (kernel_source(a._silu_and_mul_kernel, consts, dict.fromkeys(("Gate_Up", "Out", "H"), BF16), ("eps",)),
+            8 if scaled else 4, 1)
 
 
 def _gemv_fused(kind: str, narrow: bool, fmt: int = 0, rms: int = 0, pdl: bool = False) -> tuple:
@@ -226,6 +236,9 @@ VARIANTS = {
     "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
     "rotary": lambda: _rotary(False, 0),
     "rotary + K/V store, fp8 e4m3 pool": lambda: _rotary(True, 1),
+    "rotary + K/V store, rows scaled by 1 / rms (batched folded norms)": lambda: _rotary(True, 0, scaled=True),
+    "SiLU-and-mul": lambda: _silu_and_mul(False),
+    "SiLU-and-mul, rows scaled by 1 / rms (batched folded norms)": lambda: _silu_and_mul(True),
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),
     "gemv qkv + rotary + K/V store": lambda: _gemv_fused("rotary", False),
     "gemv qkv + rotary + fp8 e4m3 K/V store": lambda: _gemv_fused("rotary", False, 1),

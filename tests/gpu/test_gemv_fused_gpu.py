@@ -179,6 +179,54 @@ def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypa
         assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp_path, monkeypatch, graphs):
+    """Three requests decoding together on the folded model of the batch-1 test: each decode step of 2-3 rows reads
+    the raw stream (the rotary and SiLU kernels scale rows by 1 / rms, o_proj / down add into the stream in place,
+    `LlamaDecoderLayer.row_scaled`). Against transformers' float32 log-probabilities per request, the route is as
+    close as the unfolded model and each greedy token is transformers' argmax up to bf16 noise; eager, its steps
+    launch only the final norm."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.engine import Engine
+    from sglx.llm.kernels import rmsnorm
+    from sglx.llm.layers import norm_folding
+
+    model_dir = make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
+                                num_attention_heads=20, num_key_value_heads=4, head_dim=128)
+    prompts = [[5, 77, 201, 9, 33, 140, 61, 2, 18, 40, 41], [7, 7, 300, 12], [99, 3, 150, 150, 8, 1, 64, 200, 11]]
+    steps = 10
+    norm_launches = {True: 0, False: 0}
+    now = {"route": True}
+    real = rmsnorm._launch
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        norm_launches[now["route"]] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rmsnorm, "_launch", counted)
+    off_argmax, off_logprob = {}, {}
+    for route in (True, False):
+        monkeypatch.setattr(norm_folding, "_FOLD_ON", route)
+        monkeypatch.setattr(norm_folding, "_ROW_SCALED_ON", route)
+        now["route"] = route
+        with Engine(model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
+                    max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": steps, "temperature": 0.0,
+                                                                     "ignore_eos": True}] * 3, return_logprob=True)
+        gaps_argmax, gaps_logprob = [], []
+        for prompt, out in zip(prompts, outs):
+            ref = _hf_logprobs(model_dir, prompt, out["output_ids"])
+            picked = ref[torch.arange(steps), torch.tensor(out["output_ids"])]
+            gaps_argmax.append((ref.max(-1).values - picked).max().item())
+            gaps_logprob.append((torch.tensor(out["output_logprobs"], dtype=torch.float64) - picked).abs().max().item())
+        off_argmax[route], off_logprob[route] = max(gaps_argmax), max(gaps_logprob)
+    print(f"largest log-probability gap to transformers {off_logprob}, to its argmax {off_argmax}")
+    assert off_logprob[True] <= 1.5 * off_logprob[False] + 0.02, (off_logprob, off_argmax)
+    assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
+    if not graphs:  # eager: the unfolded steps launch two add + norm kernels a layer, the route none
+        assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
+
+
 # ---------------------------------------------------------------- programmatic dependent launch
 
 def test_pdl_chain_replayed_in_a_graph_equals_the_chain_without_pdl():

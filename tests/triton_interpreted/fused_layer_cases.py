@@ -10,6 +10,7 @@ may differ by one rounding step of the dtype. The same checks run at real sizes 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -186,15 +187,80 @@ def test_silu_and_mul_matches_the_torch_path_and_float64(dtype, shape):
     torch.testing.assert_close(got.double(), g * torch.sigmoid(g) * u, rtol=tol, atol=tol)
 
 
+# ---------------------------------------------------------------- norms as row scales after the products
+
+def _rstd64(h: torch.Tensor) -> torch.Tensor:
+    hd = h.double()
+    return torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [48, 5000])
+def test_row_scaled_silu_and_mul_is_silu_of_the_normed_rows_products(dtype, n_cols):
+    """gate_up of the unnormed row h, scaled by 1 / rms(h) in the kernel: the SiLU-and-mul of (gate, up) / rms(h),
+    against float64 (5,000 columns: two 4,096-wide programs a row, the second partial)."""
+    rows, hidden = 3, 96
+    h = _randn(rows, hidden, dtype=dtype, seed=20, scale=3.0)
+    gate_up = _randn(rows, 2 * n_cols, dtype=dtype, seed=21, scale=8.0)
+    got = silu_and_mul(gate_up, rms_of=h, eps=EPS)
+    g, u = (part.double() * _rstd64(h) for part in gate_up.split(n_cols, dim=-1))
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    assert got.shape == (rows, n_cols) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), g * torch.sigmoid(g) * u, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="rms_of"):
+        silu_and_mul(gate_up, rms_of=h[:2], eps=EPS)
+
+
+def _rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.double()[:, None, :] + rotated * sin.double()[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("store", [True, False])
+def test_row_scaled_rotary_rotates_the_normed_rows_products(dtype, store):
+    """q, k, v of the unnormed rows h: the kernel scales each token's q, k and v (in place) by 1 / rms(h) and
+    rotates q and k; against float64. With the store, the pool holds exactly the k and v left in place."""
+    from sglx.llm.kernels.rotary import RowScale, apply_rotary_and_store_
+
+    hq, hkv, dim, tokens, hidden = 4, 2, 64, 5, 160
+    rot = RotaryEmbedding(dim, 10000.0, None)
+    cos, sin = rot.cos_sin(torch.tensor([0, 3, 9, 100, 2]), dtype)
+    h = _randn(tokens, hidden, dtype=dtype, seed=22, scale=3.0)
+    qkv = _randn(tokens, (hq + 2 * hkv) * dim, dtype=dtype, seed=23, scale=8.0)
+    want = [part.double().reshape(tokens, -1, dim) * _rstd64(h)[:, :, None]
+            for part in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)]
+    want[0], want[1] = _rotate64(want[0], cos, sin), _rotate64(want[1], cos, sin)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
+    k_buf, v_buf = torch.zeros(16, hkv, dim, dtype=dtype), torch.zeros(16, hkv, dim, dtype=dtype)
+    loc = torch.tensor([7, 2, 12, 5, 9])
+    if store:
+        apply_rotary_and_store_(q, k, v, cos, sin, k_buf, v_buf, loc, rms_of=h, eps=EPS)
+        _bit_equal(k_buf[loc], k)
+        _bit_equal(v_buf[loc], v)
+    else:
+        apply_rotary_(q, k, cos, sin, RowScale(h, v, EPS))
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for got, ref in zip((q, k, v), want):
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 # ---------------------------------------------------------------- the whole model, fused path forced on CPU
 
-def _greedy_logits(model_dir, dtype: torch.dtype, feed: list[list[int]] | None) -> tuple[list[torch.Tensor], list]:
+def _greedy_logits(model_dir, dtype: torch.dtype, feed: list[list[int]] | None, fold: bool = False
+                   ) -> tuple[list[torch.Tensor], list]:
     """Logits of a 2-request extend and 4 decode steps through the paged harness; decode inputs are `feed`
-    (teacher forcing, so both paths see the same tokens) or the greedy tokens of this run."""
+    (teacher forcing, so both paths see the same tokens) or the greedy tokens of this run. fold: the norm scales
+    folded into qkv / gate_up after loading (load folds only CUDA models)."""
     from llm_test_utils import PagedKVHarness
     from sglx.llm.models import load_model
 
     model, _ = load_model(model_dir, dtype, "cpu")
+    if fold:
+        for layer in model.model.layers:
+            layer.fold_norms()
     harness = PagedKVHarness(model, page_size=4)
     rows = [harness.new_request(), harness.new_request()]
     gen = torch.Generator().manual_seed(11)
@@ -226,6 +292,36 @@ def test_model_with_the_fused_path_forced_on_cpu_equals_the_torch_path(tmp_path,
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     if dtype == torch.float32:
         assert [x.argmax(-1).tolist() for x in fused[:-1]] == fed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_with_folded_norms_as_row_scales_follows_the_torch_path(tmp_path, monkeypatch, dtype):
+    """Norm scales folded into the weights and the route of batched CUDA decode steps forced on CPU: every decode
+    step's layers read the raw stream, the rotary and SiLU kernels scale rows by 1 / rms and o_proj / down add into
+    the stream in place (`LlamaDecoderLayer.row_scaled`); logits as the unfolded torch path's, up to roundings."""
+    from llm_test_utils import make_tiny_model
+    from sglx.llm.layers import norm_folding
+    from sglx.llm.models import llama
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    plain, fed = _greedy_logits(model_dir, dtype, None)
+    taken = []
+    real = llama.LlamaSelfAttention.add_row_scaled
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        taken.append(args[0].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(llama.LlamaSelfAttention, "add_row_scaled", counted)
+    monkeypatch.setattr(norm_folding, "use_fused", lambda t: True)
+    folded, _ = _greedy_logits(model_dir, dtype, fed, fold=True)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert taken == [2] * (4 * layers)  # the 4 decode steps of 2 rows, never the extend
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.08}[dtype]
+    for a, b in zip(folded, plain):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        assert [x.argmax(-1).tolist() for x in folded[:-1]] == fed
 
 
 @pytest.mark.parametrize("rows,n,k,bias,block_m", [(1, 40, 96, False, None), (3, 33, 64, True, None),

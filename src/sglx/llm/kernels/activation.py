@@ -2,6 +2,10 @@
 
 torch: F.silu(gate) in the input dtype (computed in float32, rounded once), then the product with up
 (rounded once). The kernel rounds at the same two places.
+
+`rms_of` (batched decode with the norm scales folded into gate_up, sglx.llm.layers.norm_folding): gate_up is the
+product of the unnormed residual stream h, so each row's gate and up are first scaled by that row's 1 / rms(h) and
+rounded (the value the product of the normed row would have), which saves the add + norm kernel before gate_up.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import triton.language as tl
 from sglx.llm.kernels.rounding import round_to
 
 BLOCK = 1024
+SCALED_BLOCK = 4096  # row-scaled launches: each program reads its row of h once, so few programs a row
 
 
 @triton.jit
@@ -23,18 +28,32 @@ def silu_mul(g, up, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(Gate_Up, Out, n_cols, stride_in, stride_out, BLOCK: tl.constexpr):
+def row_rstd(H, row, stride_h, n_hidden, eps, BLOCK_H: tl.constexpr):
+    """1 / rms of row `row` of H (float32 sum of squares over n_hidden values, as the RMSNorm kernel)."""
+    offs = tl.arange(0, BLOCK_H)
+    h = tl.load(H + row * stride_h + offs, mask=offs < n_hidden, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, axis=0) / n_hidden + eps)
+
+
+@triton.jit
+def _silu_and_mul_kernel(Gate_Up, Out, n_cols, stride_in, stride_out, H, stride_h, n_hidden, eps,
+                         BLOCK: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dt = Gate_Up.dtype.element_ty
     g = tl.load(Gate_Up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(Gate_Up + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        rstd = row_rstd(H, row, stride_h, n_hidden, eps, BLOCK_H)
+        g = round_to(g * rstd, dt)
+        up = round_to(up * rstd, dt)
     tl.store(Out + row * stride_out + cols, silu_mul(g, up, dt).to(dt), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2*I] = [gate | up] -> silu(gate) * up [..., I]."""
+def silu_and_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """gate_up [..., 2*I] = [gate | up] -> silu(gate) * up [..., I]; with rms_of (rows [T, hidden] of gate_up's
+    dtype, one a row of gate_up), gate and up scaled by each row's 1 / sqrt(mean(h^2) + eps) first."""
     width = gate_up.shape[-1]
     if width % 2:
         raise ValueError(f"gate_up's last dim must be even (gate and up stacked), got {width}")
@@ -43,7 +62,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    h, block, warps = x2, BLOCK, 4
+    if rms_of is not None:
+        h = rms_of.reshape(-1, rms_of.shape[-1])
+        if h.shape[0] != x2.shape[0] or h.dtype != x2.dtype or h.stride(-1) != 1:
+            raise ValueError(f"rms_of {tuple(rms_of.shape)} {rms_of.dtype} must be one unit-stride row of "
+                             f"{gate_up.dtype} a row of gate_up {tuple(gate_up.shape)}")
+        block, warps = min(SCALED_BLOCK, triton.next_power_of_2(n_cols)), 8
     if x2.shape[0] and n_cols:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, BLOCK))](
-            x2, out, n_cols, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
+            x2, out, n_cols, x2.stride(0), out.stride(0), h, h.stride(0), h.shape[-1], float(eps),
+            BLOCK=block, SCALED=rms_of is not None, BLOCK_H=triton.next_power_of_2(h.shape[-1]), num_warps=warps)
     return out.view(*gate_up.shape[:-1], n_cols)

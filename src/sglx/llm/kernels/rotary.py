@@ -6,15 +6,21 @@ cos/sin are the step's table [T, head_dim] (row t = token t's position, built on
 the result equals the torch path bit for bit (FMA contraction is switched off for the same reason).
 `apply_rotary_and_store_` also writes the rotated K and the V of each token to its KV-pool slot, so
 an attention backend that uses it (triton) saves the separate K/V store launch of every layer.
+`rms_of` (batched decode with the norm scales folded into qkv, sglx.llm.layers.norm_folding): q, k and v are the
+product of the unnormed residual stream h, so each token's q, k and v are first scaled by its 1 / rms(h) and rounded
+(the values the product of the normed row would have), which saves the add + norm kernel before the qkv product.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import encode_for_pool, kv_format, padded_dim
+from sglx.llm.kernels.activation import row_rstd
 from sglx.llm.kernels.rounding import round_to
 
 
@@ -29,14 +35,19 @@ def rotate_pair(x1, x2, c, s, DT: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr):
-    """Rotate n_heads rows of one token in place; STORE also writes them (fp8-encoded when FMT) to Buf."""
+                  DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr, rstd,
+                  SCALED: tl.constexpr):
+    """Rotate n_heads rows of one token in place (SCALED: each value times rstd, rounded, first); STORE also writes
+    them (fp8-encoded when FMT) to Buf."""
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
         ptr = Base + heads[:, None] * stride_h + offs_d[None, :]
         x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            x1 = round_to(x1 * rstd, DT)
+            x2 = round_to(x2 * rstd, DT)
         o1, o2 = rotate_pair(x1, x2, c, s, DT)
         tl.store(ptr, o1.to(DT), mask=mask)
         tl.store(ptr + HALF, o2.to(DT), mask=mask)
@@ -49,23 +60,32 @@ def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.con
 @triton.jit
 def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_ct, stride_st, V, K_Buf, V_Buf, Loc, k_scale, v_scale, stride_vt, stride_vh,
-                   stride_bkt, stride_bkh, stride_bvt, stride_bvh,
+                   stride_bkt, stride_bkh, stride_bvt, stride_bvh, H, stride_ht, n_hidden, eps,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   STORE: tl.constexpr, FMT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    # one program per (token, part): q, k (+ its store) and the V copy run side by side, so a decode
-    # step of one request is not a single program walking all three in turn
+                   STORE: tl.constexpr, FMT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   SCALED: tl.constexpr, BLOCK_HID: tl.constexpr):
+    # one program per (token, part): q, k (+ its store) and V (its store, its row scale) run side by side, so a
+    # decode step of one request is not a single program walking all three in turn
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     dt = Q.dtype.element_ty
-    if part == 2:  # STORE only: this token's V to its slot
-        slot = tl.load(Loc + t).to(tl.int64)
+    rstd = 1.0
+    if SCALED:
+        rstd = row_rstd(H, t, stride_ht, n_hidden, eps, BLOCK_HID)
+    if part == 2:  # STORE or SCALED only: this token's V to its slot, scaled in place
         offs_dv = tl.arange(0, BLOCK_DV)
         for h0 in range(0, n_k_heads, BLOCK_HK):
             heads = h0 + tl.arange(0, BLOCK_HK)
             mask = (heads < n_k_heads)[:, None] & (offs_dv < DV)[None, :]
-            v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :], mask=mask, other=0.0)
-            tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
-                     encode_for_pool(v.to(tl.float32), v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
+            v_ptr = V + t * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :]
+            v = tl.load(v_ptr, mask=mask, other=0.0).to(tl.float32)
+            if SCALED:
+                v = round_to(v * rstd, dt)
+                tl.store(v_ptr, v.to(dt), mask=mask)
+            if STORE:
+                slot = tl.load(Loc + t).to(tl.int64)
+                tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
+                         encode_for_pool(v, v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HALF
@@ -73,14 +93,14 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
         s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         if part == 0:
             _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt,
-                          K_Buf, 0, 1.0, False, 0)
+                          K_Buf, 0, 1.0, False, 0, rstd, SCALED)
         elif STORE:  # this token's K goes to its KV slot on the way
             slot = tl.load(Loc + t).to(tl.int64)
             _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                          K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT)
+                          K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT, rstd, SCALED)
         else:
             _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                          K, 0, 1.0, False, 0)
+                          K, 0, 1.0, False, 0, rstd, SCALED)
 
 
 def _heads_block(n_heads: int, block_d: int) -> int:
@@ -100,27 +120,44 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError(f"rotary dtypes differ: q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}")
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class RowScale:
+    """Scale each token's q, k and v by 1 / sqrt(mean(h^2) + eps) of its row of `h` [T, hidden] before rotating (the
+    norm of the qkv product's input, applied after the product): v [T, Hkv, Dv] is scaled in place too."""
+
+    h: torch.Tensor
+    v: torch.Tensor
+    eps: float
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  row_scale: RowScale | None = None) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D] (views with any row/head stride)."""
-    _launch(q, k, cos, sin, None)
+    _launch(q, k, cos, sin, None, row_scale)
 
 
 def apply_rotary_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-                            k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None) -> None:
+                            k_scale: float = 1.0, v_scale: float = 1.0, fp8_dtype: torch.dtype | None = None,
+                            rms_of: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """apply_rotary_, and this step's rotated K and its V written to their KV slots `loc` in the same kernel.
 
     Stores exactly what `store_kv` would (the pool dtype, or uint8 bits of fp8(x / scale)), one launch
-    fewer per layer.
+    fewer per layer. rms_of: q, k and v (in place) scaled by each token's 1 / rms of its row of rms_of first
+    (`RowScale`).
     """
     if v.shape[:2] != k.shape[:2] or loc.shape[0] != k.shape[0]:
         raise ValueError(f"v {tuple(v.shape)} / loc {tuple(loc.shape)} do not fit k {tuple(k.shape)}")
     if v.stride(-1) != 1:
+        if rms_of is not None:
+            raise ValueError("a row-scaled rotary scales v in place and needs unit stride along its head dim")
         v = v.contiguous()
-    _launch(q, k, cos, sin, (v, k_buffer, v_buffer, loc, float(k_scale), float(v_scale), fp8_dtype))
+    row_scale = None if rms_of is None else RowScale(rms_of, v, eps)
+    _launch(q, k, cos, sin, (v, k_buffer, v_buffer, loc, float(k_scale), float(v_scale), fp8_dtype), row_scale)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None) -> None:
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store: tuple | None,
+            row_scale: RowScale | None = None) -> None:
     _check(q, k, cos, sin)
     tokens, n_q, dim = q.shape
     if tokens == 0:
@@ -130,15 +167,25 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     n_k = k.shape[1]
     if store is None:
         v, k_buf, v_buf, loc, k_scale, v_scale, fmt = k, k, k, k, 1.0, 1.0, 0
-        strides = (0,) * 6
+        if row_scale is not None:
+            v = row_scale.v
+        strides = (v.stride(0), v.stride(1), 0, 0, 0, 0)
     else:
         v, k_buf, v_buf, loc, k_scale, v_scale, fp8_dtype = store
         fmt = kv_format(fp8_dtype)
         strides = (v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
+    h, eps = q, 0.0
+    if row_scale is not None:
+        h, eps = row_scale.h, float(row_scale.eps)
+        if (h.dim() != 2 or h.shape[0] != tokens or h.dtype != q.dtype or h.stride(-1) != 1
+                or row_scale.v.shape[:2] != k.shape[:2] or row_scale.v.stride(-1) != 1):
+            raise ValueError(f"row scale: h {tuple(h.shape)} {h.dtype} must be [tokens, hidden] rows of q's dtype "
+                             f"and v {tuple(row_scale.v.shape)} [tokens, kv heads, D], both of unit stride")
     dim_v = v.shape[-1]
-    _rotary_kernel[(tokens, 3 if store is not None else 2)](
+    _rotary_kernel[(tokens, 3 if store is not None or row_scale is not None else 2)](
         q, k, cos, sin, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        v, k_buf, v_buf, loc, k_scale, v_scale, *strides,
+        v, k_buf, v_buf, loc, k_scale, v_scale, *strides, h, h.stride(0), h.shape[-1], eps,
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=_heads_block(n_q, block_d), BLOCK_HK=_heads_block(n_k, block_d),
         STORE=store is not None, FMT=fmt, DV=dim_v, BLOCK_DV=padded_dim(dim_v),
+        SCALED=row_scale is not None, BLOCK_HID=triton.next_power_of_2(h.shape[-1]) if row_scale else 16,
         num_warps=4, enable_fp_fusion=False)

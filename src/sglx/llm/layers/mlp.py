@@ -60,6 +60,15 @@ class GatedMLP(nn.Module):
         act = gemv_gated(h, self.gate_up_proj.weight, self.gate_up_proj.bias, rms_eps=rms_eps)
         return gemv(act, self.down_proj.weight, self.down_proj.bias, add_to=h)[0]
 
+    def add_row_scaled(self, h: torch.Tensor, rms_eps: float) -> None:
+        """h += this MLP of rmsnorm(h), in place, for several CUDA rows with the norm's scale folded into gate_up
+        (sglx.llm.layers.norm_folding): gate_up reads h unnormed, SiLU-and-mul scales each row by its 1 / rms(h)
+        first, and down adds into h (cuBLAS with beta = 1)."""
+        from sglx.llm.kernels.activation import silu_and_mul
+
+        act = silu_and_mul(self.gate_up_proj(h), rms_of=h, eps=rms_eps)
+        h.addmm_(act, self.down_proj.weight.t())
+
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP after its gate_up product (callers that fuse the norm into that product start here)."""
         if use_fused(gate_up):

@@ -7,6 +7,12 @@ squares while they stream the weights and scale their sums by 1 / rms (`row_prod
 moves into the epilogue of the product before (o_proj, down: `gemv(..., add_to=)`). A Llama-3.1-8B step then loses
 its 64 norm launches (about 3 us each on the H200, session 24 profile).
 
+Batched decode steps of a folded model take the same identity the other way round (`row_scaled_applies`): qkv and
+gate_up read the raw stream h, the kernel that reads their output (rotary + K/V store, SiLU-and-mul) scales each row
+by 1 / rms(h) first, and o_proj / down add into h in place (cuBLAS with beta = 1), so a layer launches no add + norm
+kernel. Measured on the H200 (benchmarks/probe_batched_layer_routes.py, session 27): a Llama-3.1-8B layer's products
+and small kernels at 64 rows 138.1-138.2 us against 144.1-145.5, at 16 rows 131.3-131.5 against 136.1-137.6.
+
 The folded weight is rounded once to the model dtype (W * g in float32): against Hugging Face's norm-then-product
 the outputs differ by that rounding and the normed row's two roundings, like any kernel fusion. Only models whose
 batch-1 steps take the route are folded (`folding_applies`); `SGLX_FOLD_NORMS=0` keeps the norms as they load.
@@ -16,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from sglx.llm.kernels import env_switch
+from sglx.llm.forward_batch import ForwardBatch
+from sglx.llm.kernels import env_switch, use_fused
 from sglx.llm.layers.linear import gemv_weight_eligible
 from sglx.llm.layers.norm import RMSNorm, epilogue_width_applies
 
 _FOLD_ON = env_switch("SGLX_FOLD_NORMS")
+_ROW_SCALED_ON = env_switch("SGLX_ROW_SCALED_NORMS")
 
 
 def folding_applies(hidden_size: int, weight: torch.Tensor, tp_size: int) -> bool:
@@ -36,3 +44,12 @@ def fold_norm_into(norm: RMSNorm, weight: torch.Tensor) -> None:
     """weight[:, j] *= norm.weight[j] (rounded once, from float32), then norm.weight = 1."""
     weight.copy_((weight.float() * norm.weight.float()[None, :]).to(weight.dtype))
     norm.weight.fill_(1.0)
+
+
+def row_scaled_applies(x: torch.Tensor, batch: ForwardBatch, weights: list[torch.Tensor],
+                       biases: list[torch.Tensor | None]) -> bool:
+    """Whether a folded layer runs this step with the norms as row scales after its products: a decode step of more
+    than one row (one row takes the GEMVs that norm their input) on the fused CUDA kernels, the products' weights of
+    x's dtype and none with a bias (a bias would be scaled with the product), switched on."""
+    return (_ROW_SCALED_ON and batch.mode.is_decode and x.dim() == 2 and x.shape[0] > 1 and use_fused(x)
+            and all(w.dtype == x.dtype for w in weights) and all(b is None for b in biases))

@@ -10,7 +10,9 @@ Face's separate tensors into the fused ones. Each residual add is folded into th
 qkv GEMV rotates q/k and stores K/V, and the gate_up GEMV applies SiLU-and-mul, in their epilogues
 (`LlamaSelfAttention.attend_one_row`, `GatedMLP.after_norm`); with the norm scales folded into qkv and gate_up at
 load (sglx.llm.layers.norm_folding) those GEMVs also norm their input and o_proj / down add to the residual stream,
-so such a step launches no norm kernel inside the layers. CPU runs the same math in torch.
+so such a step launches no norm kernel inside the layers; batched decode steps of a folded model read the stream
+unnormed too, with each row's 1 / rms applied by the rotary and SiLU kernels and o_proj / down adding into the
+stream in place (`LlamaDecoderLayer.row_scaled`). CPU runs the same math in torch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.norm import epilogue_gemv_applies
-from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies
+from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies, row_scaled_applies
 from sglx.llm.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -109,6 +111,30 @@ class LlamaSelfAttention(nn.Module):
             return self.o_proj(out)
         return gemv(out, self.o_proj.weight, self.o_proj.bias, add_to=h)[0]
 
+    def add_row_scaled(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                       rms_eps: float) -> None:
+        """h += this attention of rmsnorm(h), in place, for a batched decode step with the norm's scale folded into
+        qkv (`LlamaDecoderLayer.row_scaled`): the qkv product reads h unnormed, the rotary kernel scales each token's
+        q, k and v by its 1 / rms(h) (and stores K/V where the backend lends its slots), o_proj adds into h."""
+        from sglx.llm.kernels.rotary import RowScale, apply_rotary_, apply_rotary_and_store_
+
+        spec = self.attn.spec
+        tokens = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, spec.num_q_heads, spec.head_dim)
+        k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
+        backend = batch.attn_backend
+        slots = backend.step_kv_slots(spec, batch) if backend is not None else None
+        if slots is None:  # the backend stores K/V itself (per-token fp8 scales, key rotation, calibration)
+            apply_rotary_(q, k, cos, sin, RowScale(h, v, rms_eps))
+            out = self.attn(q, k, v, batch)
+        else:
+            apply_rotary_and_store_(q, k, v, cos, sin, slots.k_buffer, slots.v_buffer, slots.loc, slots.k_scale,
+                                    slots.v_scale, slots.fp8_dtype, rms_of=h, eps=rms_eps)
+            out = self.attn(q, k, v, batch, save_kv_cache=False)
+        h.addmm_(out, self.o_proj.weight.t())
+
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer after its qkv product (the decoder layer fuses the input norm into that product)."""
         spec = self.attn.spec
@@ -141,16 +167,31 @@ class LlamaDecoderLayer(nn.Module):
         fold_norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj.weight)
         self.norms_folded = True
 
+    def row_scaled(self, x: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether this step runs the layer with its folded norms as row scales after the products
+        (sglx.llm.layers.norm_folding.row_scaled_applies: a batched CUDA decode step, no biases): no add + norm
+        kernel, the residual adds done by o_proj's and down's products in place."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (self.norms_folded and attn.q_norm is None and cos.dtype == x.dtype
+                and row_scaled_applies(x, batch, [p.weight for p in projections], [p.bias for p in projections]))
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this layer's MLP output, residual stream before adding it): each residual add is folded into the
         norm that follows it (one fused kernel on CUDA); the caller adds the last MLP output in the final norm.
-        A one-row step with folded norms returns (the residual stream with the MLP output added, None).
+        A decode step with folded norms (one row, or several: `row_scaled`) returns (the residual stream with the
+        MLP output added, None).
 
         x is the previous layer's MLP output (added to `residual` here), or the stream itself when residual is None
         (the embeddings, or a folded layer's output).
         """
         attn = self.self_attn
+        if self.row_scaled(x, cos, batch):  # the stream is updated in place: x is a fresh tensor or the stream itself
+            stream = x if residual is None else residual + x
+            attn.add_row_scaled(stream, cos, sin, batch, self.input_layernorm.eps)
+            self.mlp.add_row_scaled(stream, self.post_attention_layernorm.eps)
+            return stream, None
         slots = attn.one_row_slots(x, cos, batch)
         if slots is not None and self.norms_folded:  # one row, no norm launches: the stream goes on as x
             stream = x if residual is None else residual + x
