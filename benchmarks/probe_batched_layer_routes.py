@@ -7,9 +7,10 @@ the products can read the raw residual stream h and the row scale 1 / rms(h) can
 reads their output (rotary, SiLU-and-mul), while o_proj / down add into h in place (cuBLAS with beta = 1, `addmm_`).
 A layer then runs qkv, rotary, [attention], o_proj, gate_up, SiLU, down: two launches fewer than today's add + norm,
 qkv, rotary, o_proj, add + norm, gate_up, SiLU, down. This probe times both chains over distinct weights in one CUDA
-graph (attention left out: the same in both), with today's rotary and SiLU kernels standing in for the row-scaled
-ones, and each product alone (F.linear, in-place addmm_, and the swapped product W x^T) so cuBLAS's choices at these
-row counts are on record.
+graph (attention left out: the same in both), the second with the row-scaled rotary and SiLU kernels (session 27's
+first run stood today's kernels in for them: "stand-ins"), each product alone (F.linear, in-place addmm_, and the
+swapped product W x^T) so cuBLAS's choices at these row counts are on record, and the small kernels alone with the
+row-scaled SiLU's launches swept (`--small-only`: only those).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from sglx.bench.timing import per_call_us_in_graph
+from sglx.llm.kernels import activation
 from sglx.llm.kernels.activation import silu_and_mul
 from sglx.llm.kernels.rmsnorm import fused_add_rms_norm
 from sglx.llm.kernels.rotary import apply_rotary_and_store_
@@ -32,6 +34,7 @@ DEV = torch.device("cuda")
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 EPS = 1e-5
 LAYERS = 4
+SILU_LAUNCHES = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 4), (1024, 8)]
 
 
 def _weights(gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
@@ -42,7 +45,7 @@ def _weights(gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
                  down=w(HIDDEN, INTER)) for _ in range(LAYERS)]
 
 
-def _case(rows: int, ws: list[dict[str, torch.Tensor]], gen: torch.Generator) -> dict:
+def _case(rows: int, ws: list[dict[str, torch.Tensor]], gen: torch.Generator, small_only: bool) -> dict:
     """One row count: both layer chains, each product alone, the small kernels alone."""
     pool_k = torch.zeros(4096, KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
     pool_v = torch.zeros_like(pool_k)
@@ -54,10 +57,11 @@ def _case(rows: int, ws: list[dict[str, torch.Tensor]], gen: torch.Generator) ->
     sin = torch.rand(rows, HEAD_DIM, generator=gen, device=DEV).bfloat16()
     loc = torch.arange(rows, device=DEV, dtype=torch.int64)
 
-    def rotary(qkv: torch.Tensor) -> None:
+    def rotary(qkv: torch.Tensor, rms_of: torch.Tensor | None = None) -> None:
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
         apply_rotary_and_store_(q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM),
-                                v.view(rows, KV_HEADS, HEAD_DIM), cos, sin, pool_k, pool_v, loc)
+                                v.view(rows, KV_HEADS, HEAD_DIM), cos, sin, pool_k, pool_v, loc, rms_of=rms_of,
+                                eps=EPS)
 
     def norm_kernels(i: int) -> torch.Tensor:  # today's route: add + norm kernels, products on normed rows
         w = ws[i]
@@ -68,13 +72,29 @@ def _case(rows: int, ws: list[dict[str, torch.Tensor]], gen: torch.Generator) ->
 
     def post_scaled(i: int) -> torch.Tensor:  # products on the raw stream, residual adds by cuBLAS in place
         w = ws[i]
-        rotary(F.linear(stream, w["qkv"]))
+        rotary(F.linear(stream, w["qkv"]), rms_of=stream)
         stream.addmm_(attn_out, w["o"].t())
-        return stream.addmm_(silu_and_mul(F.linear(stream, w["gate_up"])), w["down"].t())
+        return stream.addmm_(silu_and_mul(F.linear(stream, w["gate_up"]), rms_of=stream, eps=EPS), w["down"].t())
 
-    case: dict = dict(rows=rows, layer_us={}, product_us={})
-    for label, fn in (("norm kernels", norm_kernels), ("post-scaled", post_scaled),
-                      ("norm kernels again", norm_kernels), ("post-scaled again", post_scaled)):
+    case: dict = dict(rows=rows, layer_us={}, product_us={}, small_us={})
+    gate_up = torch.randn(rows, 2 * INTER, generator=gen, device=DEV).bfloat16()
+    qkv_out = torch.randn(rows, 6144, generator=gen, device=DEV).bfloat16()
+    small = {"add + norm": lambda i: fused_add_rms_norm(delta, stream, g, EPS),
+             "rotary + store": lambda i: rotary(qkv_out),
+             "rotary + store, row-scaled": lambda i: rotary(qkv_out, rms_of=stream),
+             "silu_and_mul": lambda i: silu_and_mul(gate_up)}
+    for label, fn in small.items():
+        case["small_us"][label] = per_call_us_in_graph(fn, LAYERS, DEV)
+    default = (activation.SCALED_BLOCK, activation.SCALED_WARPS)
+    for block, warps in SILU_LAUNCHES:
+        activation.SCALED_BLOCK, activation.SCALED_WARPS = block, warps
+        case["small_us"][f"silu_and_mul row-scaled {block}x{warps}"] = per_call_us_in_graph(
+            lambda i: silu_and_mul(gate_up, rms_of=stream, eps=EPS), LAYERS, DEV)
+    activation.SCALED_BLOCK, activation.SCALED_WARPS = default
+    if small_only:
+        return case
+    for label, fn in (("norm kernels", norm_kernels), ("row-scaled", post_scaled),
+                      ("norm kernels again", norm_kernels), ("row-scaled again", post_scaled)):
         case["layer_us"][label] = per_call_us_in_graph(fn, LAYERS, DEV)
     act = torch.randn(rows, INTER, generator=gen, device=DEV).bfloat16()
     inputs = dict(qkv=stream, o=attn_out, gate_up=stream, down=act)
@@ -85,11 +105,6 @@ def _case(rows: int, ws: list[dict[str, torch.Tensor]], gen: torch.Generator) ->
         if name in ("o", "down"):
             products["addmm_ in place"] = lambda i, x=x, name=name: out.addmm_(x, ws[i][name].t())
         case["product_us"][name] = {lb: per_call_us_in_graph(fn, LAYERS, DEV) for lb, fn in products.items()}
-    small = {"add + norm": lambda i: fused_add_rms_norm(delta, stream, g, EPS),
-             "rotary + store": lambda i: rotary(torch.empty(rows, 6144, device=DEV, dtype=torch.bfloat16)),
-             "silu_and_mul": lambda i: silu_and_mul(torch.empty(rows, 2 * INTER, device=DEV,
-                                                               dtype=torch.bfloat16))}
-    case["small_us"] = {lb: per_call_us_in_graph(fn, LAYERS, DEV) for lb, fn in small.items()}
     return case
 
 
@@ -97,13 +112,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32,64")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--small-only", action="store_true", help="only the small kernels and the SiLU launch sweep")
     args = parser.parse_args()
     gen = torch.Generator(DEV).manual_seed(0)
     ws = _weights(gen)
     report: dict = dict(device=torch.cuda.get_device_name(DEV), torch=torch.__version__, triton=triton.__version__,
                         date=time.strftime("%Y-%m-%d %H:%M:%S"), layers=LAYERS, cases=[])
     for rows in (int(r) for r in args.rows.split(",")):
-        case = _case(rows, ws, gen)
+        case = _case(rows, ws, gen, args.small_only)
         report["cases"].append(case)
         print(json.dumps(case), flush=True)
         if args.out:

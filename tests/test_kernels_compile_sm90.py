@@ -78,7 +78,7 @@ def _silu_and_mul(scaled: bool) -> tuple:
     block = a.SCALED_BLOCK if scaled else a.BLOCK
     consts = dict(BLOCK=block, SCALED=scaled, BLOCK_H=4096 if scaled else 16)
     return (kernel_source(a._silu_and_mul_kernel, consts, dict.fromkeys(("Gate_Up", "Out", "H"), BF16), ("eps",)),
-            8 if scaled else 4, 1)
+            a.SCALED_WARPS if scaled else 4, 1)
 
 
 def _gemv_fused(kind: str, narrow: bool, fmt: int = 0, rms: int = 0, pdl: bool = False) -> tuple:

@@ -179,13 +179,14 @@ def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypa
         assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp_path, monkeypatch, graphs):
+@pytest.mark.parametrize("graphs,kv", [(True, "auto"), (False, "auto"), (True, "fp8_e4m3")])
+def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp_path, monkeypatch, graphs, kv):
     """Three requests decoding together on the folded model of the batch-1 test: each decode step of 2-3 rows reads
     the raw stream (the rotary and SiLU kernels scale rows by 1 / rms, o_proj / down add into the stream in place,
     `LlamaDecoderLayer.row_scaled`). Against transformers' float32 log-probabilities per request, the route is as
-    close as the unfolded model and each greedy token is transformers' argmax up to bf16 noise; eager, its steps
-    launch only the final norm."""
+    close as the unfolded model and (bf16 KV) each greedy token is transformers' argmax up to bf16 noise; eager, its
+    steps launch only the final norm. fp8 KV (per-token scales): the pool is written by the backend from the k / v the
+    rotary kernel scaled in place."""
     from llm_test_utils import make_tiny_model
     from sglx.llm.engine import Engine
     from sglx.llm.kernels import rmsnorm
@@ -210,7 +211,8 @@ def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp
         monkeypatch.setattr(norm_folding, "_ROW_SCALED_ON", route)
         now["route"] = route
         with Engine(model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
-                    max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs) as eng:
+                    max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs,
+                    kv_cache_dtype=kv) as eng:
             outs = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": steps, "temperature": 0.0,
                                                                      "ignore_eos": True}] * 3, return_logprob=True)
         gaps_argmax, gaps_logprob = [], []
@@ -222,7 +224,8 @@ def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp
         off_argmax[route], off_logprob[route] = max(gaps_argmax), max(gaps_logprob)
     print(f"largest log-probability gap to transformers {off_logprob}, to its argmax {off_argmax}")
     assert off_logprob[True] <= 1.5 * off_logprob[False] + 0.02, (off_logprob, off_argmax)
-    assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
+    if kv == "auto":
+        assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
     if not graphs:  # eager: the unfolded steps launch two add + norm kernels a layer, the route none
         assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
 

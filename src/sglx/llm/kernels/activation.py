@@ -17,7 +17,8 @@ import triton.language as tl
 from sglx.llm.kernels.rounding import round_to
 
 BLOCK = 1024
-SCALED_BLOCK = 4096  # row-scaled launches: each program reads its row of h once, so few programs a row
+# row-scaled launches (each program also reads its row of h): columns a program, warps
+SCALED_BLOCK, SCALED_WARPS = 1024, 4
 
 
 @triton.jit
@@ -28,10 +29,11 @@ def silu_mul(g, up, DT: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(H, row, stride_h, n_hidden, eps, BLOCK_H: tl.constexpr):
-    """1 / rms of row `row` of H (float32 sum of squares over n_hidden values, as the RMSNorm kernel)."""
+def row_rstd(H_row, n_hidden, eps, BLOCK_H: tl.constexpr):
+    """1 / rms of the row at H_row (float32 sum of squares over n_hidden values, as the RMSNorm kernel). Callers
+    issue their own loads first, so this row's load is in flight with them rather than in front of them."""
     offs = tl.arange(0, BLOCK_H)
-    h = tl.load(H + row * stride_h + offs, mask=offs < n_hidden, other=0.0).to(tl.float32)
+    h = tl.load(H_row + offs, mask=offs < n_hidden, other=0.0).to(tl.float32)
     return tl.rsqrt(tl.sum(h * h, axis=0) / n_hidden + eps)
 
 
@@ -45,7 +47,7 @@ def _silu_and_mul_kernel(Gate_Up, Out, n_cols, stride_in, stride_out, H, stride_
     g = tl.load(Gate_Up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(Gate_Up + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
-        rstd = row_rstd(H, row, stride_h, n_hidden, eps, BLOCK_H)
+        rstd = row_rstd(H + row * stride_h, n_hidden, eps, BLOCK_H)
         g = round_to(g * rstd, dt)
         up = round_to(up * rstd, dt)
     tl.store(Out + row * stride_out + cols, silu_mul(g, up, dt).to(dt), mask=mask)
@@ -68,7 +70,7 @@ def silu_and_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps:
         if h.shape[0] != x2.shape[0] or h.dtype != x2.dtype or h.stride(-1) != 1:
             raise ValueError(f"rms_of {tuple(rms_of.shape)} {rms_of.dtype} must be one unit-stride row of "
                              f"{gate_up.dtype} a row of gate_up {tuple(gate_up.shape)}")
-        block, warps = min(SCALED_BLOCK, triton.next_power_of_2(n_cols)), 8
+        block, warps = min(SCALED_BLOCK, triton.next_power_of_2(n_cols)), SCALED_WARPS
     if x2.shape[0] and n_cols:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
             x2, out, n_cols, x2.stride(0), out.stride(0), h, h.stride(0), h.shape[-1], float(eps),

@@ -35,10 +35,10 @@ def rotate_pair(x1, x2, c, s, DT: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr, rstd,
-                  SCALED: tl.constexpr):
-    """Rotate n_heads rows of one token in place (SCALED: each value times rstd, rounded, first); STORE also writes
-    them (fp8-encoded when FMT) to Buf."""
+                  DT: tl.constexpr, Buf, stride_bh, scale, STORE: tl.constexpr, FMT: tl.constexpr, H_row, n_hidden,
+                  eps, SCALED: tl.constexpr, BLOCK_HID: tl.constexpr):
+    """Rotate n_heads rows of one token in place (SCALED: each value times 1 / rms of the row at H_row, rounded,
+    first); STORE also writes them (fp8-encoded when FMT) to Buf."""
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
@@ -46,6 +46,7 @@ def _rotate_heads(Base, stride_h, n_heads, c, s, offs_d, d_mask, BLOCK_H: tl.con
         x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
         if SCALED:
+            rstd = row_rstd(H_row, n_hidden, eps, BLOCK_HID)
             x1 = round_to(x1 * rstd, DT)
             x2 = round_to(x2 * rstd, DT)
         o1, o2 = rotate_pair(x1, x2, c, s, DT)
@@ -69,10 +70,11 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     dt = Q.dtype.element_ty
-    rstd = 1.0
-    if SCALED:
-        rstd = row_rstd(H, t, stride_ht, n_hidden, eps, BLOCK_HID)
+    H_row = H + t * stride_ht
     if part == 2:  # STORE or SCALED only: this token's V to its slot, scaled in place
+        slot = 0
+        if STORE:
+            slot = tl.load(Loc + t).to(tl.int64)
         offs_dv = tl.arange(0, BLOCK_DV)
         for h0 in range(0, n_k_heads, BLOCK_HK):
             heads = h0 + tl.arange(0, BLOCK_HK)
@@ -80,10 +82,9 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
             v_ptr = V + t * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :]
             v = tl.load(v_ptr, mask=mask, other=0.0).to(tl.float32)
             if SCALED:
-                v = round_to(v * rstd, dt)
+                v = round_to(v * row_rstd(H_row, n_hidden, eps, BLOCK_HID), dt)
                 tl.store(v_ptr, v.to(dt), mask=mask)
             if STORE:
-                slot = tl.load(Loc + t).to(tl.int64)
                 tl.store(V_Buf + slot * stride_bvt + heads[:, None] * stride_bvh + offs_dv[None, :],
                          encode_for_pool(v, v_scale, FMT, V_Buf.dtype.element_ty), mask=mask)
     else:
@@ -93,14 +94,15 @@ def _rotary_kernel(Q, K, Cos, Sin, n_q_heads, n_k_heads, stride_qt, stride_qh, s
         s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         if part == 0:
             _rotate_heads(Q + t * stride_qt, stride_qh, n_q_heads, c, s, offs_d, d_mask, BLOCK_HQ, HALF, dt,
-                          K_Buf, 0, 1.0, False, 0, rstd, SCALED)
+                          K_Buf, 0, 1.0, False, 0, H_row, n_hidden, eps, SCALED, BLOCK_HID)
         elif STORE:  # this token's K goes to its KV slot on the way
             slot = tl.load(Loc + t).to(tl.int64)
             _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                          K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT, rstd, SCALED)
+                          K_Buf + slot * stride_bkt, stride_bkh, k_scale, True, FMT, H_row, n_hidden, eps, SCALED,
+                          BLOCK_HID)
         else:
             _rotate_heads(K + t * stride_kt, stride_kh, n_k_heads, c, s, offs_d, d_mask, BLOCK_HK, HALF, dt,
-                          K, 0, 1.0, False, 0, rstd, SCALED)
+                          K, 0, 1.0, False, 0, H_row, n_hidden, eps, SCALED, BLOCK_HID)
 
 
 def _heads_block(n_heads: int, block_d: int) -> int:
