@@ -225,6 +225,10 @@ def test_a_user_records_their_own_gpu(tmp_path: Path, monkeypatch: pytest.Monkey
     src.write_text(json.dumps(report))
     assert record_main([str(src), "--gpu-class", "sm90-h200", "--output", str(tmp_path / "sm90-h200.json")]) == 0
     assert record_main([str(src), "--gpu-class", "sm90-h100", "--output", str(tmp_path / "x.json")]) == 2
+    nested = tmp_path / "new" / "dir" / "sm90-h200.json"  # a missing folder is made, not a traceback
+    assert record_main([str(src), "--gpu-class", "sm90-h200", "--output", str(nested)]) == 0 and nested.is_file()
+    (tmp_path / "a_file").write_text("")
+    assert record_main([str(src), "--gpu-class", "sm90-h200", "--output", str(tmp_path / "a_file" / "x.json")]) == 2
     monkeypatch.setenv(RECORDS_ENV, str(tmp_path))
     sel = select_llm(h100(gpu="NVIDIA H200"), MHA, LLMBackendArgs())
     assert (sel.prefill, sel.decode) == ("triton", "triton")  # measured beats SGLang's flashinfer, unmeasured

@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.output.write_text(json.dumps(record, indent=1) + "\n")
+    try:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(record, indent=1) + "\n")
+    except OSError as exc:
+        print(f"error: cannot write the record to {args.output}: {exc.strerror or exc}; give --output a writable "
+              "path", file=sys.stderr)
+        return 2
     print(f"wrote {len(record['entries'])} medians for {args.gpu_class} to {args.output}")
     return 0
 
