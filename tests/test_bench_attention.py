@@ -99,6 +99,7 @@ def test_a_wrong_backend_is_reported_not_timed(tmp_path: Path, monkeypatch: pyte
     (("--backend", "dual_chunk_flash_attn"), "not implemented in sglx yet"),
     (("--num-q-heads", "6", "--num-kv-heads", "4"), "not a multiple"),
     (("--context-len", "0"), "--context-len 0"),
+    (("--cuda-graph",), "needs a CUDA device"),
 ])
 def test_bad_options_are_usage_errors(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
     result, report = bench(tmp_path, *args)

@@ -8,6 +8,12 @@ CUDA) and, when `flashinfer` imports, FlashInfer's paged wrappers. Ratios are ti
 (below 1 = faster than the baseline). Prefill reports TFLOP/s (causal FLOPs), decode the GB/s of
 K/V read.
 
+`cuda_graph` (`--cuda-graph`, CUDA only): decode calls are captured in a CUDA graph and timed as its replays, the
+way the engine runs decode steps: sglx backends through their own graph hooks (capture, then the per-step replay
+hook, whose time is the row's `metadata_ms`), the baselines as called. Why: eagerly, a call that launches in less
+time than its host side takes is timed as host time (at batch 1 triton's Python launch path took 0.04-0.08 ms
+against a 7.5-12 us kernel, H200, session 27), and auto-selection ranks by these medians.
+
 Defaults depend on the device: on a GPU the issue's suite (decode B=64, 32/8 heads, head dim 128,
 context 4096, pages 1 and 16, bf16 and fp8 KV; prefill B=4, 32 heads, 4096 new tokens, and 512 new
 on a 4096 prefix), on a CPU tiny shapes in float32 so a CI run takes seconds.
@@ -18,7 +24,7 @@ from __future__ import annotations
 import platform as py_platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -28,7 +34,7 @@ from sglx.attention.registry import all_backends, availability, find
 from sglx.attention.request import AttentionRequest
 from sglx.bench.attention_baselines import PreparedRun, flashinfer_module, flashinfer_paged, sdpa_contiguous
 from sglx.bench.attention_inputs import DTYPES, TOLERANCE, AttentionCase, CaseInputs, make_inputs, max_abs_error
-from sglx.bench.timing import Timing, TimingBudget, median_ms
+from sglx.bench.timing import Timing, TimingBudget, cuda_graphed, median_ms
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kv_cache import KV_CACHE_DTYPE_CHOICES
@@ -76,6 +82,7 @@ class AttentionBenchConfig:
     warmup_ms: float | None = None
     rep_ms: float | None = None
     seed: int = 0
+    cuda_graph: bool = False  # decode calls timed as CUDA graph replays (see the module docstring)
 
     def __post_init__(self) -> None:
         problems = []
@@ -161,8 +168,8 @@ def resolve_backends(names: tuple[str, ...], snap: Any) -> list[str]:
     return out
 
 
-def _prepare_backend(name: str, case: AttentionCase, inputs: CaseInputs, device: torch.device
-                     ) -> tuple[PreparedRun, Callable[[], object]]:
+def _prepare_backend(name: str, case: AttentionCase, inputs: CaseInputs, device: torch.device,
+                     graph: bool = False) -> tuple[PreparedRun, Callable[[], object]]:
     spec = find(name, "llm", "mha")
     assert spec is not None
     dtype = DTYPES[case.dtype]
@@ -183,15 +190,49 @@ def _prepare_backend(name: str, case: AttentionCase, inputs: CaseInputs, device:
     batch.attn_backend = backend
     layer = LayerSpec(0, case.q_heads, case.kv_heads, case.head_dim, case.scale)
 
+    def call() -> torch.Tensor:  # K/V of the step are already in the pool: time attention alone
+        return backend.forward(inputs.q, inputs.k_new, inputs.v_new, layer, batch, save_kv_cache=False)
+
+    if graph:
+        return _graphed_backend(backend, batch, call, name, case)
+
     def metadata() -> None:
         backend.init_forward_metadata(batch)
 
     metadata()
-
-    def call() -> torch.Tensor:  # K/V of the step are already in the pool: time attention alone
-        return backend.forward(inputs.q, inputs.k_new, inputs.v_new, layer, batch, save_kv_cache=False)
-
     return PreparedRun(name, "sglx", call, case.kv_cache_dtype, keep=[backend, batch]), metadata
+
+
+def _graphed_backend(backend: Any, batch: ForwardBatch, call: Callable[[], torch.Tensor], name: str,
+                     case: AttentionCase) -> tuple[PreparedRun, Callable[[], object]]:
+    """A decode call captured as the engine's CUDA graph runner captures a step: the backend's graph state and
+    capture hook on the batch's (static) request rows and lengths, then the replay hook. The step's metadata work
+    (the replay hook, and the device work the engine captures ahead of the layers) runs outside the captured call,
+    as eager metadata does: in a step it is paid once for all layers. Returned as the metadata step."""
+    if not backend.supports_cuda_graph:
+        raise SglxError(f"{name} does not run in CUDA graphs")
+    b = case.batch
+    backend.init_cuda_graph_state(b, b)
+    backend.init_forward_metadata_capture_cuda_graph(b, batch.req_pool_indices, batch.seq_lens)
+
+    def metadata() -> None:
+        backend.init_forward_metadata_replay_cuda_graph(b, batch.req_pool_indices, batch.seq_lens,
+                                                        list(batch.seq_lens_cpu))
+        backend.init_forward_metadata_in_graph(b)
+
+    metadata()
+    replay = cuda_graphed(call)
+    metadata()  # after the capture, as each engine step does before its replay
+    return PreparedRun(name, "sglx", replay, case.kv_cache_dtype, detail="CUDA graph replay",
+                       keep=[backend, batch]), metadata
+
+
+def _graphed_baseline(run: PreparedRun) -> PreparedRun:
+    """A baseline's call captured (within its context) and timed as graph replays."""
+    with run.context():
+        replay = cuda_graphed(run.fn)
+    detail = f"{run.detail}; CUDA graph replay" if run.detail else "CUDA graph replay"
+    return replace(run, fn=replay, detail=detail)
 
 
 def _measure(run: PreparedRun, case: AttentionCase, inputs: CaseInputs, device: torch.device,
@@ -228,17 +269,21 @@ def run_case(case: AttentionCase, backends: list[str], device: torch.device, con
              flashinfer: object | None, snap: Any) -> dict[str, Any]:
     budget = config.budget(device)
     inputs = make_inputs(case, device, config.seed)
+    graph = config.cuda_graph and case.phase == "decode"
     rows: list[dict[str, Any]] = []
     if config.baselines:
-        rows.append(_measure(sdpa_contiguous(case, inputs), case, inputs, device, budget))
+        baselines: list[tuple[str, Callable[..., PreparedRun], tuple]] = [("sdpa", sdpa_contiguous, ())]
         if flashinfer is not None:
+            baselines.append(("flashinfer", flashinfer_paged, (flashinfer,)))
+        for key, make, extra in baselines:
             try:
-                fi_run = flashinfer_paged(case, inputs, flashinfer)
-            except Exception as exc:  # plan() refused (dtype, head dim, page size): record why
-                rows.append({"backend": "flashinfer", "kind": "flashinfer", "ok": False,
-                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+                run = make(case, inputs, *extra)
+                if graph:
+                    run = _graphed_baseline(run)
+            except Exception as exc:  # plan() refused (dtype, head dim, page size), or no capture: record why
+                rows.append({"backend": key, "kind": key, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
             else:
-                rows.append(_measure(fi_run, case, inputs, device, budget))
+                rows.append(_measure(run, case, inputs, device, budget))
     base = {r["kind"]: r["median_ms"] for r in rows if r.get("median_ms")}
     for name in backends:
         spec = find(name, "llm", "mha")
@@ -248,7 +293,7 @@ def run_case(case: AttentionCase, backends: list[str], device: torch.device, con
             rows.append({"backend": name, "kind": "sglx", "skipped": "; ".join(avail.reasons)})
             continue
         try:
-            run, metadata = _prepare_backend(name, case, inputs, device)
+            run, metadata = _prepare_backend(name, case, inputs, device, graph)
         except Exception as exc:
             rows.append({"backend": name, "kind": "sglx", "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
@@ -305,6 +350,9 @@ def run_attention_bench(config: AttentionBenchConfig,
     from sglx.llm.model_runner import resolve_device, snapshot_for
 
     device = resolve_device(config.device)
+    if config.cuda_graph and device.type != "cuda":
+        raise SglxError(f"--cuda-graph times decode as CUDA graph replays and needs a CUDA device; this run is on "
+                        f"{device.type} (leave --cuda-graph out)")
     snap = snapshot_for(device)
     backends = resolve_backends(config.backends, snap)
     fi, fi_info = (None, "not tried on CPU")
@@ -321,6 +369,8 @@ def run_attention_bench(config: AttentionBenchConfig,
     budget = config.budget(device)
     timing = ("CUDA events per run, 256 MB L2 flush before each, median" if device.type == "cuda"
               else "wall clock per run, median")
+    if config.cuda_graph:
+        timing += "; decode calls captured in a CUDA graph and timed as its replays"
     return {
         "environment": _environment(device, fi_info if fi is not None else None),
         "flashinfer": fi_info,

@@ -229,6 +229,8 @@ def attention(
     warmup_ms: float | None = typer.Option(None, "--warmup-ms", help="Warm-up time per timed call."),
     rep_ms: float | None = typer.Option(None, "--rep-ms", help="Time spent on timed runs per call (median)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Time decode calls as CUDA graph replays, as the "
+                                    "engine runs decode steps (CUDA only; sglx backends through their graph hooks)."),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report here."),
 ) -> None:
@@ -245,7 +247,7 @@ def attention(
             context_lens=tuple(context_len or ()), prefill_shapes=tuple(_prefill_shape(s) for s in prefill_shape or ()),
             page_sizes=tuple(page_size or ()), dtype=BenchDtype(dtype).value if dtype else None,
             kv_cache_dtypes=tuple(KvDtype(k).value for k in kv_cache_dtype or ()), device=Device(device).value,
-            baselines=not no_baselines, warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed)
+            baselines=not no_baselines, warmup_ms=warmup_ms, rep_ms=rep_ms, seed=seed, cuda_graph=cuda_graph)
         err = Console(stderr=True)
         report = run_attention_bench(config, progress=lambda m: err.print(f"[dim]{m}[/]"))
     except SglxError as exc:

@@ -27,9 +27,10 @@ def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> lis
         for row in case["rows"]:
             if row.get("kind") != "sglx" or not row.get("ok") or row.get("median_ms") is None:
                 continue  # baselines are vendors' calls, not sglx backends; a failed check has no valid time
+            graphed = c["phase"] == "decode" and data.get("config", {}).get("cuda_graph", False)
             out.append(Measurement("mha", c["phase"], case["label"], int(c["page_size"]), c["kv_cache_dtype"],
                                    row["backend"], float(row["median_ms"]), source, when, env["device_name"],
-                                   SGLX_BENCH))
+                                   f"{SGLX_BENCH} --cuda-graph" if graphed else SGLX_BENCH))
     return out
 
 
