@@ -137,33 +137,47 @@ def _hf_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch.Tenso
     return torch.log_softmax(logits.double(), -1)
 
 
+class _NormLaunches:
+    """RMSNorm kernel launches counted per setting of a two-way comparison (`on`: the setting now running)."""
+
+    def __init__(self, monkeypatch) -> None:  # noqa: ANN001
+        from sglx.llm.kernels import rmsnorm
+
+        self.count = {True: 0, False: 0}
+        self.on = True
+        real = rmsnorm._launch
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.count[self.on] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(rmsnorm, "_launch", counted)
+
+
+def _wide_llama(tmp_path):  # noqa: ANN001, ANN202
+    """A tiny Llama wider than the norm-inside rule (hidden 2560), so its norms fold at load."""
+    from llm_test_utils import make_tiny_model
+
+    return make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
+                           num_attention_heads=20, num_key_value_heads=4, head_dim=128)
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypatch, graphs):
     """A Llama wider than the norm-inside rule (hidden 2560) in bf16 on the Triton backend: the norm scales are folded
     into qkv / gate_up at load, so batch-1 decode steps launch only the final norm. Against transformers' float32
     log-probabilities of the same tokens (teacher-forced), the folded model is as close as the unfolded one (bf16
     noise, the fold's roundings added) and each greedy token is transformers' argmax up to that noise."""
-    from llm_test_utils import make_tiny_model
     from sglx.llm.engine import Engine
-    from sglx.llm.kernels import rmsnorm
     from sglx.llm.layers import norm_folding
 
-    model_dir = make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
-                                num_attention_heads=20, num_key_value_heads=4, head_dim=128)
+    model_dir = _wide_llama(tmp_path)
     prompt, steps = [5, 77, 201, 9, 33, 140, 61, 2, 18, 40, 41], 12
-    norm_launches = {True: 0, False: 0}
-    now = {"fold": True}
-    real = rmsnorm._launch
-
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        norm_launches[now["fold"]] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rmsnorm, "_launch", counted)
+    norm_launches = _NormLaunches(monkeypatch)
     off_argmax, off_logprob = {}, {}
     for fold in (True, False):
         monkeypatch.setattr(norm_folding, "_FOLD_ON", fold)
-        now["fold"] = fold
+        norm_launches.on = fold
         with Engine(model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
                     max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs) as eng:
             out = eng.generate(input_ids=[prompt], sampling_params=[{"max_new_tokens": steps, "temperature": 0.0,
@@ -176,7 +190,7 @@ def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypa
     assert off_logprob[True] <= 1.5 * off_logprob[False] + 0.02, (off_logprob, off_argmax)
     assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
     if not graphs:  # eager: every decode step's norms are Python calls; folded, only the final norm remains
-        assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
+        assert norm_launches.count[False] - norm_launches.count[True] >= 2 * 2 * (steps - 1)
 
 
 @pytest.mark.parametrize("graphs,kv", [(True, "auto"), (False, "auto"), (True, "fp8_e4m3")])
@@ -187,29 +201,18 @@ def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp
     close as the unfolded model and (bf16 KV) each greedy token is transformers' argmax up to bf16 noise; eager, its
     steps launch only the final norm. fp8 KV (per-token scales): the pool is written by the backend from the k / v the
     rotary kernel scaled in place."""
-    from llm_test_utils import make_tiny_model
     from sglx.llm.engine import Engine
-    from sglx.llm.kernels import rmsnorm
     from sglx.llm.layers import norm_folding
 
-    model_dir = make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
-                                num_attention_heads=20, num_key_value_heads=4, head_dim=128)
+    model_dir = _wide_llama(tmp_path)
     prompts = [[5, 77, 201, 9, 33, 140, 61, 2, 18, 40, 41], [7, 7, 300, 12], [99, 3, 150, 150, 8, 1, 64, 200, 11]]
     steps = 10
-    norm_launches = {True: 0, False: 0}
-    now = {"route": True}
-    real = rmsnorm._launch
-
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        norm_launches[now["route"]] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rmsnorm, "_launch", counted)
+    norm_launches = _NormLaunches(monkeypatch)
     off_argmax, off_logprob = {}, {}
     for route in (True, False):
         monkeypatch.setattr(norm_folding, "_FOLD_ON", route)
         monkeypatch.setattr(norm_folding, "_ROW_SCALED_ON", route)
-        now["route"] = route
+        norm_launches.on = route
         with Engine(model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
                     max_total_tokens=2048, cuda_graph_max_bs=4, disable_cuda_graph=not graphs,
                     kv_cache_dtype=kv) as eng:
@@ -227,7 +230,7 @@ def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp
     if kv == "auto":
         assert max(off_argmax.values()) <= 0.05, (off_logprob, off_argmax)
     if not graphs:  # eager: the unfolded steps launch two add + norm kernels a layer, the route none
-        assert norm_launches[False] - norm_launches[True] >= 2 * 2 * (steps - 1)
+        assert norm_launches.count[False] - norm_launches.count[True] >= 2 * 2 * (steps - 1)
 
 
 # ---------------------------------------------------------------- programmatic dependent launch

@@ -68,8 +68,8 @@ def silu_and_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps:
     if rms_of is not None:
         h = rms_of.reshape(-1, rms_of.shape[-1])
         if h.shape[0] != x2.shape[0] or h.dtype != x2.dtype or h.stride(-1) != 1:
-            raise ValueError(f"rms_of {tuple(rms_of.shape)} {rms_of.dtype} must be one unit-stride row of "
-                             f"{gate_up.dtype} a row of gate_up {tuple(gate_up.shape)}")
+            raise ValueError(f"rms_of {tuple(rms_of.shape)} {rms_of.dtype} must hold one unit-stride {gate_up.dtype} "
+                             f"row for each row of gate_up {tuple(gate_up.shape)}")
         block, warps = min(SCALED_BLOCK, triton.next_power_of_2(n_cols)), SCALED_WARPS
     if x2.shape[0] and n_cols:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
