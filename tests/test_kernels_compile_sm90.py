@@ -62,13 +62,14 @@ def _gemv_gated_tma(rms: bool, bias: bool) -> tuple:
             g.TMA_STAGES)
 
 
-def _rotary(store: bool, fmt: int, scaled: bool = False) -> tuple:
+def _rotary(store: bool, fmt: int, scaled: bool = False, bias: bool = False) -> tuple:
     from sglx.llm.kernels.rotary import _rotary_kernel
 
     kv = "*u8" if fmt else BF16
-    ptrs = {**dict.fromkeys(("Q", "K", "Cos", "Sin", "V", "H"), BF16), "K_Buf": kv, "V_Buf": kv, "Loc": "*i64"}
+    ptrs = {**dict.fromkeys(("Q", "K", "Cos", "Sin", "V", "H", "Bias"), BF16), "K_Buf": kv, "V_Buf": kv,
+            "Loc": "*i64"}
     consts = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, STORE=store, FMT=fmt, DV=128, BLOCK_DV=128,
-                  SCALED=scaled, BLOCK_HID=4096 if scaled else 16)
+                  SCALED=scaled, BLOCK_HID=4096 if scaled else 16, HAS_BIAS=bias)
     return kernel_source(_rotary_kernel, consts, ptrs, ("k_scale", "v_scale", "eps")), 4, 1
 
 
@@ -237,6 +238,7 @@ VARIANTS = {
     "rotary": lambda: _rotary(False, 0),
     "rotary + K/V store, fp8 e4m3 pool": lambda: _rotary(True, 1),
     "rotary + K/V store, rows scaled by 1 / rms (batched folded norms)": lambda: _rotary(True, 0, scaled=True),
+    "rotary, rows scaled by 1 / rms, qkv bias added": lambda: _rotary(False, 0, scaled=True, bias=True),
     "SiLU-and-mul": lambda: _silu_and_mul(False),
     "SiLU-and-mul, rows scaled by 1 / rms (batched folded norms)": lambda: _silu_and_mul(True),
     "gemv gate_up + SiLU-and-mul": lambda: _gemv_fused("gated", False),

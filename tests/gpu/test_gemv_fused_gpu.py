@@ -154,11 +154,11 @@ class _NormLaunches:
         monkeypatch.setattr(rmsnorm, "_launch", counted)
 
 
-def _wide_llama(tmp_path):  # noqa: ANN001, ANN202
-    """A tiny Llama wider than the norm-inside rule (hidden 2560), so its norms fold at load."""
+def _wide_llama(tmp_path, arch: str = "llama"):  # noqa: ANN001, ANN202
+    """A tiny Llama-family model wider than the norm-inside rule (hidden 2560), so its norms fold at load."""
     from llm_test_utils import make_tiny_model
 
-    return make_tiny_model(tmp_path, "llama", std=0.03, hidden_size=2560, intermediate_size=3072,
+    return make_tiny_model(tmp_path, arch, std=0.03, hidden_size=2560, intermediate_size=3072,
                            num_attention_heads=20, num_key_value_heads=4, head_dim=128)
 
 
@@ -193,18 +193,20 @@ def test_engine_batch1_with_folded_norms_follows_transformers(tmp_path, monkeypa
         assert norm_launches.count[False] - norm_launches.count[True] >= 2 * 2 * (steps - 1)
 
 
-@pytest.mark.parametrize("graphs,kv", [(True, "auto"), (False, "auto"), (True, "fp8_e4m3")])
-def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp_path, monkeypatch, graphs, kv):
+@pytest.mark.parametrize("graphs,kv,arch", [(True, "auto", "llama"), (False, "auto", "llama"),
+                                            (True, "fp8_e4m3", "llama"), (True, "auto", "qwen2")])
+def test_engine_batched_decode_with_norms_as_row_scales_follows_transformers(tmp_path, monkeypatch, graphs, kv,
+                                                                            arch):
     """Three requests decoding together on the folded model of the batch-1 test: each decode step of 2-3 rows reads
     the raw stream (the rotary and SiLU kernels scale rows by 1 / rms, o_proj / down add into the stream in place,
     `LlamaDecoderLayer.row_scaled`). Against transformers' float32 log-probabilities per request, the route is as
     close as the unfolded model and (bf16 KV) each greedy token is transformers' argmax up to bf16 noise; eager, its
     steps launch only the final norm. fp8 KV (per-token scales): the pool is written by the backend from the k / v the
-    rotary kernel scaled in place."""
+    rotary kernel scaled in place. Qwen2: its qkv bias is added by the rotary kernel after the row scale."""
     from sglx.llm.engine import Engine
     from sglx.llm.layers import norm_folding
 
-    model_dir = _wide_llama(tmp_path)
+    model_dir = _wide_llama(tmp_path, arch)
     prompts = [[5, 77, 201, 9, 33, 140, 61, 2, 18, 40, 41], [7, 7, 300, 12], [99, 3, 150, 150, 8, 1, 64, 200, 11]]
     steps = 10
     norm_launches = _NormLaunches(monkeypatch)

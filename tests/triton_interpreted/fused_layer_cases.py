@@ -218,10 +218,11 @@ def _rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("store", [True, False])
-def test_row_scaled_rotary_rotates_the_normed_rows_products(dtype, store):
-    """q, k, v of the unnormed rows h: the kernel scales each token's q, k and v (in place) by 1 / rms(h) and
-    rotates q and k; against float64. With the store, the pool holds exactly the k and v left in place."""
+@pytest.mark.parametrize("store,bias", [(True, False), (False, False), (True, True), (False, True)])
+def test_row_scaled_rotary_rotates_the_normed_rows_products(dtype, store, bias):
+    """q, k, v of the unnormed rows h: the kernel scales each token's q, k and v (in place) by 1 / rms(h), adds the
+    qkv bias (Qwen2) and rotates q and k; against float64. With the store, the pool holds exactly the k and v left in
+    place."""
     from sglx.llm.kernels.rotary import RowScale, apply_rotary_and_store_
 
     hq, hkv, dim, tokens, hidden = 4, 2, 64, 5, 160
@@ -229,19 +230,22 @@ def test_row_scaled_rotary_rotates_the_normed_rows_products(dtype, store):
     cos, sin = rot.cos_sin(torch.tensor([0, 3, 9, 100, 2]), dtype)
     h = _randn(tokens, hidden, dtype=dtype, seed=22, scale=3.0)
     qkv = _randn(tokens, (hq + 2 * hkv) * dim, dtype=dtype, seed=23, scale=8.0)
-    want = [part.double().reshape(tokens, -1, dim) * _rstd64(h)[:, :, None]
-            for part in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)]
+    b = _randn((hq + 2 * hkv) * dim, dtype=dtype, seed=24) if bias else None
+    added = torch.zeros_like(qkv[0]).double() if b is None else b.double()
+    want = [part.double().reshape(tokens, -1, dim) * _rstd64(h)[:, :, None] + extra.reshape(-1, dim)
+            for part, extra in zip(qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1),
+                                   added.split([hq * dim, hkv * dim, hkv * dim]))]
     want[0], want[1] = _rotate64(want[0], cos, sin), _rotate64(want[1], cos, sin)
     q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
     q, k, v = q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
     k_buf, v_buf = torch.zeros(16, hkv, dim, dtype=dtype), torch.zeros(16, hkv, dim, dtype=dtype)
     loc = torch.tensor([7, 2, 12, 5, 9])
     if store:
-        apply_rotary_and_store_(q, k, v, cos, sin, k_buf, v_buf, loc, rms_of=h, eps=EPS)
+        apply_rotary_and_store_(q, k, v, cos, sin, k_buf, v_buf, loc, rms_of=h, eps=EPS, bias=b)
         _bit_equal(k_buf[loc], k)
         _bit_equal(v_buf[loc], v)
     else:
-        apply_rotary_(q, k, cos, sin, RowScale(h, v, EPS))
+        apply_rotary_(q, k, cos, sin, RowScale(h, v, EPS, b))
     tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for got, ref in zip((q, k, v), want):
         torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
@@ -294,16 +298,18 @@ def test_model_with_the_fused_path_forced_on_cpu_equals_the_torch_path(tmp_path,
         assert [x.argmax(-1).tolist() for x in fused[:-1]] == fed
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_decode_with_folded_norms_as_row_scales_follows_the_torch_path(tmp_path, monkeypatch, dtype):
+def test_batched_decode_with_folded_norms_as_row_scales_follows_the_torch_path(tmp_path, monkeypatch, dtype, arch):
     """Norm scales folded into the weights and the route of batched CUDA decode steps forced on CPU: every decode
     step's layers read the raw stream, the rotary and SiLU kernels scale rows by 1 / rms and o_proj / down add into
-    the stream in place (`LlamaDecoderLayer.row_scaled`); logits as the unfolded torch path's, up to roundings."""
+    the stream in place (`LlamaDecoderLayer.row_scaled`); logits as the unfolded torch path's, up to roundings.
+    Qwen2: the qkv bias is left out of the product and added by the rotary kernel after the row scale."""
     from llm_test_utils import make_tiny_model
     from sglx.llm.layers import norm_folding
     from sglx.llm.models import llama
 
-    model_dir = make_tiny_model(tmp_path, "llama")
+    model_dir = make_tiny_model(tmp_path, arch)
     plain, fed = _greedy_logits(model_dir, dtype, None)
     taken = []
     real = llama.LlamaSelfAttention.add_row_scaled

@@ -50,6 +50,7 @@ def row_scaled_applies(x: torch.Tensor, batch: ForwardBatch, weights: list[torch
                        biases: list[torch.Tensor | None]) -> bool:
     """Whether a folded layer runs this step with the norms as row scales after its products: a decode step of more
     than one row (one row takes the GEMVs that norm their input) on the fused CUDA kernels, the products' weights of
-    x's dtype and none with a bias (a bias would be scaled with the product), switched on."""
+    x's dtype and no bias among `biases` (the caller's products whose bias the row scale cannot leave out: o_proj
+    and the MLP's; a qkv bias is the rotary kernel's to add), switched on."""
     return (_ROW_SCALED_ON and batch.mode.is_decode and x.dim() == 2 and x.shape[0] > 1 and use_fused(x)
             and all(w.dtype == x.dtype for w in weights) and all(b is None for b in biases))

@@ -27,6 +27,7 @@ from sglx.attention.llm.kv_store import StepKVSlots, rotary_and_store
 from sglx.errors import SglxError
 from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from sglx.llm.layers.linear import linear
 from sglx.llm.layers.norm import epilogue_gemv_applies
 from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies, row_scaled_applies
 from sglx.llm.layers.parallel import (
@@ -114,24 +115,26 @@ class LlamaSelfAttention(nn.Module):
     def add_row_scaled(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                        rms_eps: float) -> None:
         """h += this attention of rmsnorm(h), in place, for a batched decode step with the norm's scale folded into
-        qkv (`LlamaDecoderLayer.row_scaled`): the qkv product reads h unnormed, the rotary kernel scales each token's
-        q, k and v by its 1 / rms(h) (and stores K/V where the backend lends its slots), o_proj adds into h."""
+        qkv (`LlamaDecoderLayer.row_scaled`): the qkv product reads h unnormed (without its bias), the rotary kernel
+        scales each token's q, k and v by its 1 / rms(h) and adds the bias (and stores K/V where the backend lends its
+        slots), o_proj adds into h."""
         from sglx.llm.kernels.rotary import RowScale, apply_rotary_, apply_rotary_and_store_
 
         spec = self.attn.spec
         tokens = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        bias = self.qkv_proj.bias
+        q, k, v = linear(h, self.qkv_proj.weight, skinny=False).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, spec.num_q_heads, spec.head_dim)
         k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
         backend = batch.attn_backend
         slots = backend.step_kv_slots(spec, batch) if backend is not None else None
         if slots is None:  # the backend stores K/V itself (per-token fp8 scales, key rotation, calibration)
-            apply_rotary_(q, k, cos, sin, RowScale(h, v, rms_eps))
+            apply_rotary_(q, k, cos, sin, RowScale(h, v, rms_eps, bias))
             out = self.attn(q, k, v, batch)
         else:
             apply_rotary_and_store_(q, k, v, cos, sin, slots.k_buffer, slots.v_buffer, slots.loc, slots.k_scale,
-                                    slots.v_scale, slots.fp8_dtype, rms_of=h, eps=rms_eps)
+                                    slots.v_scale, slots.fp8_dtype, rms_of=h, eps=rms_eps, bias=bias)
             out = self.attn(q, k, v, batch, save_kv_cache=False)
         h.addmm_(out, self.o_proj.weight.t())
 
@@ -169,12 +172,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def row_scaled(self, x: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch) -> bool:
         """Whether this step runs the layer with its folded norms as row scales after the products
-        (sglx.llm.layers.norm_folding.row_scaled_applies: a batched CUDA decode step, no biases): no add + norm
-        kernel, the residual adds done by o_proj's and down's products in place."""
+        (sglx.llm.layers.norm_folding.row_scaled_applies: a batched CUDA decode step; a qkv bias (Qwen2) is added by
+        the rotary kernel, biases after attention rule it out): no add + norm kernel, the residual adds done by
+        o_proj's and down's products in place."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        qkv_bias = attn.qkv_proj.bias
         return (self.norms_folded and attn.q_norm is None and cos.dtype == x.dtype
-                and row_scaled_applies(x, batch, [p.weight for p in projections], [p.bias for p in projections]))
+                and (qkv_bias is None or qkv_bias.dtype == x.dtype)
+                and row_scaled_applies(x, batch, [p.weight for p in projections], [p.bias for p in projections[1:]]))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
