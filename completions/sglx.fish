@@ -721,6 +721,7 @@ complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'no-baselines' -d 'S
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'warmup-ms' -x -d 'Warm-up time per timed call.'
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'rep-ms' -x -d 'Time spent on timed runs per call (median).'
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'seed' -x -d 'Seed of the random inputs.'
+complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'cuda-graph' -d 'Time decode calls as CUDA graph replays, as the engine runs decode steps (CUDA only; sglx backend...'
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'json' -d 'Print the report as JSON instead of a table.'
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'output' -r -F -d 'Also write the JSON report here.'
 complete -c sglx -n '__sglx_at \'sglx bench attention\'' -l 'help' -d 'Show this message and exit.'

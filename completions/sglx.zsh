@@ -294,6 +294,7 @@ _sglx_bench_attention() {
         '--warmup-ms=[Warm-up time per timed call.]:warmup-ms: ' \
         '--rep-ms=[Time spent on timed runs per call (median).]:rep-ms: ' \
         '--seed=[Seed of the random inputs.]:seed: ' \
+        '--cuda-graph[Time decode calls as CUDA graph replays, as the engine runs decode steps (CUDA only; sglx backend...]' \
         '--json[Print the report as JSON instead of a table.]' \
         '--output=[Also write the JSON report here.]:output:_files' \
         '--help[Show this message and exit.]'
