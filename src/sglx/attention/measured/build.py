@@ -21,16 +21,17 @@ def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> lis
     when = env.get("date") or date
     if not when:
         raise ValueError(f"{source}: the report has no date; give one")
+    # decode medians of a `--cuda-graph` report are graph replays; say so on each
+    graphed_note = f"{SGLX_BENCH} --cuda-graph" if data.get("config", {}).get("cuda_graph", False) else SGLX_BENCH
     out = []
     for case in data["cases"]:
         c = case["case"]
         for row in case["rows"]:
             if row.get("kind") != "sglx" or not row.get("ok") or row.get("median_ms") is None:
                 continue  # baselines are vendors' calls, not sglx backends; a failed check has no valid time
-            graphed = c["phase"] == "decode" and data.get("config", {}).get("cuda_graph", False)
             out.append(Measurement("mha", c["phase"], case["label"], int(c["page_size"]), c["kv_cache_dtype"],
                                    row["backend"], float(row["median_ms"]), source, when, env["device_name"],
-                                   f"{SGLX_BENCH} --cuda-graph" if graphed else SGLX_BENCH))
+                                   graphed_note if c["phase"] == "decode" else SGLX_BENCH))
     return out
 
 

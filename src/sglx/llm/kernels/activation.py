@@ -74,5 +74,6 @@ def silu_and_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps:
     if x2.shape[0] and n_cols:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
             x2, out, n_cols, x2.stride(0), out.stride(0), h, h.stride(0), h.shape[-1], float(eps),
-            BLOCK=block, SCALED=rms_of is not None, BLOCK_H=triton.next_power_of_2(h.shape[-1]), num_warps=warps)
+            BLOCK=block, SCALED=rms_of is not None,
+            BLOCK_H=triton.next_power_of_2(h.shape[-1]) if rms_of is not None else 16, num_warps=warps)
     return out.view(*gate_up.shape[:-1], n_cols)

@@ -11,7 +11,7 @@ Batched decode steps of a folded model take the same identity the other way roun
 gate_up read the raw stream h, the kernel that reads their output (rotary + K/V store, SiLU-and-mul) scales each row
 by 1 / rms(h) first, and o_proj / down add into h in place (cuBLAS with beta = 1), so a layer launches no add + norm
 kernel. Measured on the H200 (benchmarks/probe_batched_layer_routes.py, session 27): a Llama-3.1-8B layer's products
-and small kernels at 64 rows 138.1-138.2 us against 144.1-145.5, at 16 rows 131.3-131.5 against 136.1-137.6.
+and small kernels at 64 rows 139.6 us against 143.6-144.0, at 16 rows 134.3-134.4 against 138.5-138.6.
 
 The folded weight is rounded once to the model dtype (W * g in float32): against Hugging Face's norm-then-product
 the outputs differ by that rounding and the normed row's two roundings, like any kernel fusion. Only models whose
@@ -46,11 +46,19 @@ def fold_norm_into(norm: RMSNorm, weight: torch.Tensor) -> None:
     norm.weight.fill_(1.0)
 
 
-def row_scaled_applies(x: torch.Tensor, batch: ForwardBatch, weights: list[torch.Tensor],
-                       biases: list[torch.Tensor | None]) -> bool:
-    """Whether a folded layer runs this step with the norms as row scales after its products: a decode step of more
-    than one row (one row takes the GEMVs that norm their input) on the fused CUDA kernels, the products' weights of
-    x's dtype and no bias among `biases` (the caller's products whose bias the row scale cannot leave out: o_proj
-    and the MLP's; a qkv bias is the rotary kernel's to add), switched on."""
-    return (_ROW_SCALED_ON and batch.mode.is_decode and x.dim() == 2 and x.shape[0] > 1 and use_fused(x)
-            and all(w.dtype == x.dtype for w in weights) and all(b is None for b in biases))
+def row_scale_dtype(projections: list[torch.nn.Module], biased: torch.nn.Module) -> torch.dtype | None:
+    """At fold time, what a layer's batched route needs of its weights: the products' one dtype, or None where the
+    route cannot run (mixed dtypes, or a bias on a product the row scale cannot leave out: o_proj's, the MLP's; the
+    qkv product `biased` may have one, of its dtype, which the rotary kernel adds)."""
+    dtype = biased.weight.dtype
+    if any(p.weight.dtype != dtype for p in projections) or any(p.bias is not None for p in projections):
+        return None
+    return dtype if biased.bias is None or biased.bias.dtype == dtype else None
+
+
+def row_scaled_applies(x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype | None) -> bool:
+    """Whether a folded layer whose products are of `dtype` (`row_scale_dtype`, None: never) runs this step with the
+    norms as row scales after its products: a decode step of more than one row of that dtype (one row takes the GEMVs
+    that norm their input) on the fused CUDA kernels, switched on."""
+    return (_ROW_SCALED_ON and dtype is not None and x.dtype == dtype and batch.mode.is_decode and x.dim() == 2
+            and x.shape[0] > 1 and use_fused(x))

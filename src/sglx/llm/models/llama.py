@@ -29,7 +29,7 @@ from sglx.llm.forward_batch import ForwardBatch
 from sglx.llm.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from sglx.llm.layers.linear import linear
 from sglx.llm.layers.norm import epilogue_gemv_applies
-from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies, row_scaled_applies
+from sglx.llm.layers.norm_folding import fold_norm_into, folding_applies, row_scale_dtype, row_scaled_applies
 from sglx.llm.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -163,24 +163,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norms_folded = False  # set by fold_norms: the norm scales live in qkv_proj and gate_up_proj
+        self.row_scale_dtype: torch.dtype | None = None  # set by fold_norms where batched steps may take `row_scaled`
 
     def fold_norms(self) -> None:
         """Fold both norms' scales into the projections they feed (sglx.llm.layers.norm_folding)."""
         fold_norm_into(self.input_layernorm, self.self_attn.qkv_proj.weight)
         fold_norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj.weight)
         self.norms_folded = True
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is None:
+            self.row_scale_dtype = row_scale_dtype([attn.o_proj, mlp.gate_up_proj, mlp.down_proj], attn.qkv_proj)
 
     def row_scaled(self, x: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch) -> bool:
         """Whether this step runs the layer with its folded norms as row scales after the products
-        (sglx.llm.layers.norm_folding.row_scaled_applies: a batched CUDA decode step; a qkv bias (Qwen2) is added by
-        the rotary kernel, biases after attention rule it out): no add + norm kernel, the residual adds done by
-        o_proj's and down's products in place."""
-        attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        qkv_bias = attn.qkv_proj.bias
-        return (self.norms_folded and attn.q_norm is None and cos.dtype == x.dtype
-                and (qkv_bias is None or qkv_bias.dtype == x.dtype)
-                and row_scaled_applies(x, batch, [p.weight for p in projections], [p.bias for p in projections[1:]]))
+        (sglx.llm.layers.norm_folding.row_scaled_applies: a batched CUDA decode step; what the weights allow was
+        settled at fold time: no q/k norms, a qkv bias (Qwen2) added by the rotary kernel, no bias after attention):
+        no add + norm kernel, the residual adds done by o_proj's and down's products in place."""
+        return cos.dtype == x.dtype and row_scaled_applies(x, batch, self.row_scale_dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
