@@ -1,4 +1,4 @@
-"""Where one decode step's time goes: Llama-3.1-8B shapes, dummy bf16 weights, triton, CUDA graphs.
+"""Where one decode step's time goes: Llama-3.1-8B shapes, dummy bf16 weights, CUDA graphs, triton or another backend.
 
 Run on a CUDA GPU:  PYTHONPATH=src python3 benchmarks/profile_decode_step.py --output profile.json
 It times (a) a whole step as `sglx bench one-batch` does (host clock, device synchronized), (b) the
@@ -71,13 +71,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="profile_decode_step.json")
     ap.add_argument("--trace", default=None, help="where to keep the chrome trace of the profiled steps")
+    ap.add_argument("--attention-backend", default="triton", help="as the CLI's; 'auto' leaves it to auto-selection")
     args = ap.parse_args()
     from sglx.llm.model_runner import ModelRunner
 
     cfg1 = OneBatchConfig(batch_sizes=(1,), input_len=512, output_len=64)
-    base = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16", attention_backend="triton")
+    base = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16",
+                        attention_backend=None if args.attention_backend == "auto" else args.attention_backend)
     runner = ModelRunner(engine_config_for(base, cfg1))
-    out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                     attention_backend=args.attention_backend)
     with torch.inference_mode():
         run = _BatchRun(runner, make_prompts(runner.model_config.vocab_size, 1, 512, 0), cfg1)
         tokens = run.prefill()

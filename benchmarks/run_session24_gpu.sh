@@ -6,6 +6,9 @@
 #   ab       one-batch at batch $BS (default 1), Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25:
 #            SGLX_FOLD_NORMS, SGLX_GEMV_PDL; session 27: SGLX_ROW_SCALED_NORMS with BS=64) at each of $AB_VALUES
 #            (default "1 0") in turn, fresh processes, $REPS rounds
+#   abattn   one-batch at batch $BS, Llama-3.1-8B, each attention choice of $AB_ATTN (default "auto triton"; auto
+#            leaves --attention-backend unset, so the engine's measured pick runs) in turn, fresh processes, $REPS
+#            rounds (session 28: the sm90-h200 record's pick with FlashInfer carried against triton)
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
 # Every JSON report lands in $OUT/s24.tgz.
@@ -20,8 +23,10 @@ SITE=${SITE:-/tmp/site}
 one_batch_bs1() {
   local src=$1 model=$2 json=$3
   echo "    $model from $src"
-  PYTHONPATH=$src timeout 150 python3 -m sglx bench one-batch --model-path "$model" \
-    --load-format dummy --dtype bfloat16 --attention-backend triton --batch-size "${BS:-1}" --input-len 512 \
+  local attn="--attention-backend ${ATTN:-triton}"
+  [ "${ATTN:-triton}" = auto ] && attn=""
+  PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench one-batch --model-path "$model" \
+    --load-format dummy --dtype bfloat16 $attn --batch-size "${BS:-1}" --input-len 512 \
     --output-len 32 --no-prefill-floor --max-total-tokens 65536 \
     --output "$json" 2>&1 | grep -E "^\S*\s*1 |step|ratio" | cut -c1-160
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f\"step {r['decode_step_ms_median']:.3f} ms device {r['decode_step_device_ms_median']:.3f} floor {r['floor_ms']:.3f} ratio {r['ratio_to_floor']:.3f}\")" \
@@ -44,6 +49,14 @@ for stage in "$@"; do
           echo "--- round $rep $switch=$on $(date +%T)"
           ( export "$switch=$on"; one_batch_bs1 "$PWD/src" llama-3.1-8b \
               "$WORK/one_batch_llama-3.1-8b_bs${BS:-1}_${switch}${on}_r${rep}.json" )
+        done
+      done ;;
+    abattn)  # one-batch at batch $BS with each attention choice, fresh processes alternated
+      for rep in $(seq 1 "${REPS:-2}"); do
+        for attn in ${AB_ATTN:-auto triton}; do
+          echo "--- round $rep attention $attn $(date +%T)"
+          ( export ATTN=$attn; one_batch_bs1 "$PWD/src" llama-3.1-8b \
+              "$WORK/one_batch_llama-3.1-8b_bs${BS:-1}_${attn}_r${rep}.json" )
         done
       done ;;
     abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C

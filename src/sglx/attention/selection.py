@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from sglx.attention.measured.build import ENGINE_SHAPE
 from sglx.attention.measured.ranking import TIE_MARGIN, PhaseRanking, global_worst_ratio, rank_phase
 from sglx.attention.measured.record import Record, gpu_class, record_for
 from sglx.attention.registry import (
@@ -291,7 +292,12 @@ def _auto_measured(
     parts = []
     for r in rankings:
         top = r.ranked[0] if r.ranked else None
-        if top is not None:
+        if top is not None and top.engine_ratio is not None:
+            engine = sum(s.shape.startswith(ENGINE_SHAPE) for s in top.shapes)
+            parts.append(f"{r.phase} {r.pick} (in the engine worst {top.engine_ratio:.3f}x of the fastest runnable "
+                         f"backend over {engine} recorded engine shapes; kernels alone worst {top.worst_ratio:.3f}x "
+                         f"over {len(top.shapes)} of {len(top.shapes) + len(top.missing)} shapes)")
+        elif top is not None:
             parts.append(f"{r.phase} {r.pick} (worst {top.worst_ratio:.3f}x of the fastest runnable backend over "
                          f"{len(top.shapes)} of {len(top.shapes) + len(top.missing)} recorded shapes)")
         else:

@@ -1,6 +1,7 @@
 """Turn raw benchmark reports into a GPU class's record: only sglx backends' medians, each with its provenance.
 
-Three report formats are read: `sglx bench attention --json` (the normal way to record a GPU), and the two
+Four report formats are read: `sglx bench attention --json` (the normal way to record a GPU), `sglx bench
+one-batch --json` (the whole engine: its medians become "engine" shapes, which rank.py weighs first), and the two
 one-off scripts whose H100 results seeded the packaged record (benchmarks/bench_fa4_llm.py and the MLA
 decode sweep of benchmarks/run_mla_device.sh), which carry no date and so need one given.
 """
@@ -14,6 +15,8 @@ from typing import Any
 from sglx.attention.measured.record import FORMAT, Measurement
 
 SGLX_BENCH = "sglx bench attention"
+# shape labels of whole-engine medians start with this (ranking.py ranks by them before the kernels' shapes)
+ENGINE_SHAPE = "engine "
 
 
 def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
@@ -32,6 +35,33 @@ def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> lis
             out.append(Measurement("mha", c["phase"], case["label"], int(c["page_size"]), c["kv_cache_dtype"],
                                    row["backend"], float(row["median_ms"]), source, when, env["device_name"],
                                    graphed_note if c["phase"] == "decode" else SGLX_BENCH))
+    return out
+
+
+def _one_batch(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
+    """A `sglx bench one-batch` report: per batch size, the decode step's median (the decode backend's) and the
+    prefill's (the prefill backend's), as the engine runs them (CUDA graphs, fused kernels, host work included)."""
+    env = data["environment"]
+    when = env.get("date") or date
+    if not when:
+        raise ValueError(f"{source}: the report has no date; give one")
+    model = str(data["model_path"]).rstrip("/").rsplit("/", 1)[-1]
+    kind = "mla" if str(data["architecture"]).startswith("Deepseek") else "mha"
+    page, kv = int(data["page_size"]), str(data["kv_cache_dtype"])
+    notes = {phase: f"sglx bench one-batch: {what} ({graphs} {'on' if data.get(key) else 'off'})"
+             for phase, what, graphs, key in (("decode", "decode step", "CUDA graphs", "cuda_graph"),
+                                              ("prefill", "prefill", "prefill CUDA graphs", "prefill_cuda_graph"))}
+    out = []
+    for r in data["results"]:
+        head = f"{ENGINE_SHAPE}{model} B{r['batch_size']}"
+        if r.get("decode_step_ms_median") is not None:
+            out.append(Measurement(kind, "decode", f"{head} {r['input_len']}+{r['output_len']} step", page, kv,
+                                   data["decode_attention_backend"], float(r["decode_step_ms_median"]), source, when,
+                                   env["device_name"], notes["decode"]))
+        if r.get("prefill_ms") is not None:
+            out.append(Measurement(kind, "prefill", f"{head} {r['input_len']}-token prefill", page, kv,
+                                   data["prefill_attention_backend"], float(r["prefill_ms"]), source, when,
+                                   env["device_name"], notes["prefill"]))
     return out
 
 
@@ -79,14 +109,17 @@ def _mla_sweep(data: dict[str, Any], source: str, date: str | None) -> list[Meas
 
 
 def measurements(data: dict[str, Any], source: str, date: str | None = None) -> list[Measurement]:
-    """The sglx backends' medians in one report, whichever of the three formats it is."""
+    """The sglx backends' medians in one report, whichever of the four formats it is."""
     if "cases" in data and "environment" in data:
         return _bench_attention(data, source, date)
+    if "decode_attention_backend" in data and "results" in data and "environment" in data:
+        return _one_batch(data, source, date)
     if "decode" in data and "prefill" in data and "device" in data:
         return _fa4_script(data, source, date)
     if "results" in data and data["results"] and "routes" in data["results"][0]:
         return _mla_sweep(data, source, date)
-    raise ValueError(f"{source}: not a report of sglx bench attention, bench_fa4_llm.py or the MLA decode sweep")
+    raise ValueError(f"{source}: not a report of sglx bench attention, sglx bench one-batch, bench_fa4_llm.py or the "
+                     "MLA decode sweep")
 
 
 def build_record(gpu_class: str, reports: list[tuple[dict[str, Any], str, str | None]]) -> dict[str, Any]:

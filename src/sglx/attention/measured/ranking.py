@@ -5,6 +5,13 @@ A backend's score is its worst ratio to the fastest runnable backend over the ph
 2% of the best are ties (one median each, often from different runs, cannot order them); ties go to the backend
 measured on more shapes, then to the caller's order (SGLang's). Backends with no
 measurement come after every measured one, in the caller's order. Only recorded numbers are used.
+
+Where the record holds whole-engine medians for the phase (`sglx bench one-batch`: shapes labelled "engine ..."),
+those decide first: a backend's score is its worst ratio over the engine shapes, ties (TIE_MARGIN) go to the
+better kernel score, and backends the engine never ran follow the ones it did. Why: a kernel's median leaves out
+what the engine adds around it (H200, session 28: FlashInfer's prefill kernel is 1.24x faster than triton's on
+B4 4k, but the engine graphs only triton's short prefills, so a 512-token prompt took 24.0 ms against 12.6; the
+trtllm_mha decode kernel is fastest at B1 ctx 4096, yet the engine's batch-1 step was 6% slower with it).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sglx.attention.measured.build import ENGINE_SHAPE
 from sglx.attention.measured.record import Measurement, Record
 
 
@@ -37,6 +45,7 @@ class Ranked:
     worst_ratio: float
     shapes: tuple[ShapeResult, ...]
     missing: tuple[str, ...]  # the phase's recorded shapes this backend was not measured on
+    engine_ratio: float | None = None  # worst ratio over the engine shapes (None: the engine never ran it)
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,8 @@ class PhaseRanking:
             parts = [f"{s.shape} page {s.page_size}: {s.ms:.4f} ms" +
                      (" (fastest)" if s.ratio == 1.0 else f" = {s.ratio:.3f}x {s.best} {s.best_ms:.4f} ms") +
                      f" [{s.source}, {s.date}, {s.device}]" for s in r.shapes]
-            text = f"  {r.backend}: worst {r.worst_ratio:.3f}x of the fastest; " + "; ".join(parts)
+            engine = "" if r.engine_ratio is None else f"in the engine worst {r.engine_ratio:.3f}x, "
+            text = f"  {r.backend}: {engine}worst {r.worst_ratio:.3f}x of the fastest; " + "; ".join(parts)
             if r.missing:
                 text += f"; not measured on {', '.join(r.missing)}"
             out.append(text)
@@ -102,7 +112,9 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
     if page_size is not None and pool:
         at_size = [e for e in pool if e.page_size == page_size]
         if at_size:
-            pool = at_size
+            # the engine's medians count at any page size: what they add over the kernels (graphs, host work,
+            # fused stores) does not depend on it
+            pool = at_size + [e for e in pool if e.page_size != page_size and e.shape.startswith(ENGINE_SHAPE)]
             notes.append(f"page size {page_size}")
         else:
             notes.append(f"nothing measured at page size {page_size}, so every measured page size counts")
@@ -129,9 +141,20 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
                         fastest[s].backend, fastest[s].median_ms, e.source, e.date, e.device)
             for s in shapes if (e := best_entry.get((s, backend))) is not None)
         missing = tuple(s for s in shapes if (s, backend) not in best_entry)
-        ranked.append(Ranked(backend, max(r.ratio for r in results), results, missing))
-    ranked.sort(key=lambda r: (r.worst_ratio, -len(r.shapes), order[r.backend]))
-    if ranked:  # backends within TIE_MARGIN of the best score are a tie: broader coverage, then SGLang's order
+        engine = [r.ratio for r in results if r.shape.startswith(ENGINE_SHAPE)]
+        ranked.append(Ranked(backend, max(r.ratio for r in results), results, missing,
+                             max(engine) if engine else None))
+    if any(r.engine_ratio is not None for r in ranked):
+        notes.append("the engine's medians first")
+        ran = sorted((r for r in ranked if r.engine_ratio is not None),
+                     key=lambda r: (r.engine_ratio, r.worst_ratio, order[r.backend]))
+        cut = ran[0].engine_ratio * (1.0 + TIE_MARGIN)  # type: ignore[operator]
+        tied = sorted((r for r in ran if r.engine_ratio <= cut), key=lambda r: (r.worst_ratio, order[r.backend]))
+        rest = sorted((r for r in ranked if r.engine_ratio is None), key=lambda r: (r.worst_ratio, order[r.backend]))
+        ranked = tied + [r for r in ran if r.engine_ratio > cut] + rest  # type: ignore[operator]
+    else:
+        ranked.sort(key=lambda r: (r.worst_ratio, -len(r.shapes), order[r.backend]))
+    if ranked and ranked[0].engine_ratio is None:  # within TIE_MARGIN of the best: broader coverage, SGLang's order
         cut = ranked[0].worst_ratio * (1.0 + TIE_MARGIN)
         tied = sorted((r for r in ranked if r.worst_ratio <= cut), key=lambda r: (-len(r.shapes), order[r.backend]))
         ranked = tied + [r for r in ranked if r.worst_ratio > cut]
