@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sglx.attention.measured.build import ENGINE_SHAPE
 from sglx.attention.measured.record import record_for
 from sglx.attention.registry import (
     BackendSpec,
@@ -219,6 +220,7 @@ class ExamplePlatform:
 EXAMPLE_PLATFORMS: tuple[ExamplePlatform, ...] = (
     ExamplePlatform("NVIDIA H100 (SM90), CUDA 12.4", "cuda", "NVIDIA H100 80GB HBM3", (9, 0), "12.4"),
     ExamplePlatform("NVIDIA H100 (SM90), CUDA 12.2", "cuda", "NVIDIA H100 80GB HBM3", (9, 0), "12.2"),
+    ExamplePlatform("NVIDIA H200 (SM90), CUDA 13.0", "cuda", "NVIDIA H200", (9, 0), "13.0"),
     ExamplePlatform("NVIDIA B200 (SM100), CUDA 12.8", "cuda", "NVIDIA B200", (10, 0), "12.8"),
     ExamplePlatform("NVIDIA A100 (SM80), CUDA 12.4", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0), "12.4"),
     ExamplePlatform("NVIDIA RTX 5090 (SM120), CUDA 12.8", "cuda", "NVIDIA GeForce RTX 5090", (12, 0), "12.8"),
@@ -285,10 +287,13 @@ def auto_selection() -> list[str]:
                 f"Auto picks: MHA {mha_pick}; MLA {mla_pick}; diffusion {dit_pick}.", ""]
         record = record_for(snap)
         if record is not None:
+            engine = any(e.shape.startswith(ENGINE_SHAPE) for e in record.entries)
             out += [f"This GPU class ({record.gpu_class}) has a measured record (`{record.origin}`): auto ranks "
-                    "each LLM phase by its recorded medians, and the order above only places the backends never "
-                    "measured there, after the measured ones (docs/benchmarks.md, \"Auto-selection by "
-                    "measurement\"; `sglx doctor` shows the numbers).", ""]
+                    "each LLM phase by its recorded medians" + (
+                        " (the whole engine's, from `sglx bench one-batch`, before the kernels')" if engine else "")
+                    + ", and the order above only places the backends never measured there, after the measured "
+                    "ones (docs/benchmarks.md, \"Auto-selection by measurement\"; `sglx doctor` shows the numbers).",
+                    ""]
     return out
 
 
