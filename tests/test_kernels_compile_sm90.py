@@ -191,19 +191,17 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
 
 
 def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True, slot64: bool = False,
-            fmt: int = 0, pool_tma: bool = False, block_n: int | None = None) -> tuple:
+            fmt: int = 0) -> tuple:
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
-    block_n = block_n or (128 if tma else 64)
+    block_n = 128 if tma else 64
     rows = f"tensordesc<bf16[{block_n}, 128]>" if tma else BF16
     pool = "*u8" if fmt else BF16
-    pages = f"tensordesc<{'u8' if fmt else 'bf16'}[{block_n}, 128]>" if pool_tma else pool
     ptrs = {"Q": BF16, "Out": BF16, "K_Buf": pool, "V_Buf": pool, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
-            "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32",
-            "K_Pool": pages, "V_Pool": pages}
+            "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=4, D=128, DV=128, BLOCK_D=128,
                   BLOCK_DV=128, BLOCK_M=128, BLOCK_N=block_n, FMT=fmt, SOFTCAP=False, IEEE=False, SLOT_SCALES=False,
-                  PREFETCH=prefetch and not pool_tma, SLOT64=slot64, POOL_TMA=pool_tma)
+                  PREFETCH=prefetch, SLOT64=slot64)
     return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
 
 
@@ -295,10 +293,6 @@ VARIANTS = {
     "extend, pool only, 64-bit slot offsets": lambda: _extend(False, slot64=True),
     "extend, TMA rows": lambda: _extend(True, tma=True),
     "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
-    "extend, pool pages by TMA (page 128)": lambda: _extend(False, pool_tma=True, block_n=128),
-    "extend, pool pages by TMA (page 64), this step's TMA rows": lambda: _extend(True, tma=True, pool_tma=True,
-                                                                                 block_n=64),
-    "extend, e4m3 pool pages by TMA": lambda: _extend(False, fmt=3, pool_tma=True, block_n=128),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),
     "block-sparse (diffusion), q map": lambda: _block_sparse(False, True),
     "block-sparse (diffusion), TMA": _block_sparse_tma,
@@ -313,7 +307,5 @@ def test_kernel_variant_compiles_for_sm90(name: str) -> None:
     assert kernel.metadata.shared <= 227 * 1024  # an H100 SM's shared memory for one program
     if name.startswith(("decode stage 1", "extend")) and "TMA" not in name:  # gathered K/V tiles pipelined, as the
         assert "cp.async" in kernel.asm["ptx"], "K/V tiles not pipelined"  # GPU runs them (strides 16-divisible)
-    if "pool pages by TMA" in name:  # the unmasked pool loop's K and V tiles come as TMA boxes
-        assert kernel.asm["ptx"].count("cp.async.bulk.tensor") >= 2, "pool tiles not loaded by TMA"
-    if "by TMA" in name and "pool pages" not in name:  # the weight boxes pipelined through shared memory: a TMA load a stage in flight
+    if "by TMA" in name:  # the weight boxes pipelined through shared memory: a TMA load a stage in flight
         assert kernel.asm["ptx"].count("cp.async.bulk.tensor") >= 2 * (stages - 1), "TMA loads not pipelined"

@@ -107,11 +107,6 @@ EXTEND = [
     (torch.bfloat16, 16, 4, 4, 96, "auto", None, 0.0),
     (torch.float16, 16, 8, 2, 256, "auto", 200, 0.0),
     (torch.bfloat16, 16, 16, 4, 128, "fp8_e4m3", None, 0.0),
-    # whole pages of the tile's keys: the unmasked pool loop may read them by TMA (ExtendConfig.pool_tma)
-    (torch.bfloat16, 128, 32, 8, 128, "auto", None, 0.0),
-    (torch.bfloat16, 64, 32, 8, 128, "auto", 300, 0.0),
-    (torch.float16, 64, 8, 8, 64, "auto", None, 10.0),
-    (torch.bfloat16, 128, 16, 4, 128, "fp8_e4m3", None, 0.0),
 ]
 
 
@@ -137,16 +132,13 @@ def test_extend_real_sizes_match_float64(dtype, page, hq, hkv, dim, kv_cache_dty
             for i, (r, p, n) in enumerate(zip([0, *itertools.accumulate(new)], prefix, new))]
     # programs one (request, head) after another, and 8 pairs at a time (the SM90 default for GQA prefill); the
     # unmasked pool loop with its slot ids a tile ahead and without (the default picks by where most keys come from)
-    configs = [ExtendConfig(section=0), ExtendConfig(section=8), ExtendConfig(prefetch_slots=True),
-               ExtendConfig(prefetch_slots=False)]
-    if page >= 64:  # pool pages by TMA against the gathered tiles (the prefix outweighs this step: not ext-heavy)
-        configs += [ExtendConfig(pool_tma=True), ExtendConfig(pool_tma=False)]
-    for config in configs:
+    for config in (ExtendConfig(section=0), ExtendConfig(section=8), ExtendConfig(prefetch_slots=True),
+                   ExtendConfig(prefetch_slots=False)):
         out = torch.full((sum(new), hq, dim), float("nan"), device=DEV, dtype=dtype)
         extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                          dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
                          fp8_dtype=pool.fp8_dtype, k_ext=k_new if ext else None, v_ext=v_new if ext else None,
-                         config=config, page_size=page, prefix_tokens=sum(prefix) if config.pool_tma is not None else 0)
+                         config=config)
         torch.cuda.synchronize()
         row = 0
         for i, n in enumerate(new):

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by t
     pytest.skip("run through tests/test_fp8_kv_scales.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
 
 from sglx.attention.kernels.decode_attention import DecodeConfig, decode_attention, semaphore_count  # noqa: E402
-from sglx.attention.kernels.extend_attention import ExtendConfig, extend_attention  # noqa: E402
+from sglx.attention.kernels.extend_attention import extend_attention  # noqa: E402
 from sglx.attention.kernels.kv_indices import build_kv_indptr  # noqa: E402
 from sglx.attention.kernels.store_kv import store_kv, store_kv_to_pool  # noqa: E402
 from sglx.llm.kv_cache import ReqToTokenPool, TokenKVPool  # noqa: E402
@@ -266,11 +266,8 @@ EXTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("pool_tma", [False, True], ids=["gathered", "pool-pages-through-tma"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,window,cap", EXTEND_CASES)
-def test_extend_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap,
-                                                      pool_tma):
-    """pool_tma: whole-page pool tiles by TMA read their per-slot scales at consecutive slots (page 16 only)."""
+def test_extend_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, window, cap):
     prefix, new = [0, 21, 18, 3], [19, 1, 9, 0]
     lens = [p + n for p, n in zip(prefix, new)]
     cache = Cache(lens, page, hkv, dim, dtype, kv_cache_dtype, seed=dim + 1, fill=prefix)
@@ -285,8 +282,7 @@ def test_extend_with_per_token_scales_matches_float64(page, hq, hkv, dim, dtype,
     out = torch.full((sum(new), hq, dim), float("nan"), dtype=dtype)
     extend_attention(q_rot, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=pool.k_scale[0],
-                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, interpret=True, k_ext=k_new, v_ext=v_new,
-                     config=ExtendConfig(pool_tma=pool_tma), page_size=page)
+                     v_scale=pool.v_scale[0], fp8_dtype=pool.fp8_dtype, interpret=True, k_ext=k_new, v_ext=v_new)
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):
         if n:

@@ -186,26 +186,21 @@ EXTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ext,tma,section,prefetch,pool_tma", [
-    (False, False, 0, None, False), (False, False, 0, False, False), (True, False, 0, None, False),
-    (True, True, 0, None, False), (True, True, 3, True, False), (False, False, 0, None, True)],
-    ids=["pool-only", "pool-only-ids-in-loop", "new-rows-from-ext", "new-rows-through-tma", "tma-in-head-sections",
-         "pool-pages-through-tma"])
+@pytest.mark.parametrize("ext,tma,section,prefetch", [
+    (False, False, 0, None), (False, False, 0, False), (True, False, 0, None), (True, True, 0, None),
+    (True, True, 3, True)],
+    ids=["pool-only", "pool-only-ids-in-loop", "new-rows-from-ext", "new-rows-through-tma", "tma-in-head-sections"])
 @pytest.mark.parametrize("page,hq,hkv,dim,dtype,kv_cache_dtype,scales,window,cap", EXTEND_CASES)
 def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv_cache_dtype, scales, window, cap,
-                                                   ext, tma, section, prefetch, pool_tma):
+                                                   ext, tma, section, prefetch):
     """section 3: programs ordered 3 (request, head) pairs at a time, the last section short (ExtendConfig.section).
-    prefetch: the unmasked pool loop's slot ids a tile ahead (None: the default, on for pool-only launches here).
-    pool_tma: whole-page pool tiles by TMA (pages of 16 = the interpreter's tile; page 1 and head dim 80 check the
-    fallback); page tails hold NaN / e4m3 NaN bits so a tile reading past its page shows."""
+    prefetch: the unmasked pool loop's slot ids a tile ahead (None: the default, on for pool-only launches here)."""
     prefix, new = [0, 21, 50, 3], [37, 1, 20, 0]  # no prefix, a decode-like row, both, an empty row
     lens = [p + n for p, n in zip(prefix, new)]
     cache = make_paged_cache(lens, page, hkv, dim, dtype, kv_cache_dtype=kv_cache_dtype, scales=scales,
                              fill=prefix, seed=dim + 1)
     pool = cache.pool
     k_new, v_new = cache.store_new(prefix, scales)
-    if pool_tma:
-        _poison_page_tails(cache, lens, page)
     kv_indptr, kv_indices = _indices(cache, lens)
     qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
     q = torch.randn(sum(new), hq, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -213,8 +208,7 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
     extend_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, qo_indptr, kv_indptr, kv_indices, max(new),
                      dim ** -0.5, sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1],
                      fp8_dtype=pool.fp8_dtype, interpret=True,
-                     config=ExtendConfig(tma=tma, section=section, prefetch_slots=prefetch, pool_tma=pool_tma),
-                     page_size=page,
+                     config=ExtendConfig(tma=tma, section=section, prefetch_slots=prefetch),
                      k_ext=k_new.to(dtype) if ext else None, v_ext=v_new.to(dtype) if ext else None)
     row = 0
     for i, (p, n) in enumerate(zip(prefix, new)):

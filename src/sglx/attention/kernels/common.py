@@ -35,11 +35,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def env_on(name: str) -> bool:
-    """An on-by-default kernel switch from the environment (A/B runs): off for 0 / false / off / no."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def has_tma(device: torch.device) -> bool:
     """Whether the device has the Tensor Memory Accelerator Triton's descriptors load through (NVIDIA SM90+)."""
     return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9

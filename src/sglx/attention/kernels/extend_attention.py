@@ -24,7 +24,6 @@ from sglx.attention.kernels.common import (
     bits_k_scores,
     dot,
     e4m3_bits_to_bf16_scaled,
-    env_on,
     fp8_bits_to_value,
     has_tma,
     kv_format,
@@ -73,12 +72,6 @@ class ExtendConfig:
     # H200, session 21, B4 H32 D128 page 16, alternated: causal 4096 2.000 / 2.000 -> 1.983 / 1.969 ms, 512 new on a
     # 4096 prefix 0.531 / 0.531 -> 0.514 / 0.513 (decode gained 6% from the same move)
     fp8_bits_k: bool | None = None
-    # the unmasked pool loop's K/V tiles through TMA descriptors over the pool (CUDA SM90+, or the interpreter when
-    # asked): only where every such tile is BLOCK_N consecutive slots of one page (the pool's page size a multiple
-    # of block_n; the loop's tiles start at multiples of block_n, and a request's keys start at a page's first
-    # slot) and the pool's rows suit a descriptor (`tma_rows_ok`). One slot id a tile, no gathered addresses.
-    # None: SGLX_EXTEND_POOL_TMA (on unless 0) on SM90+ (session 28 measures it)
-    pool_tma: bool | None = None
 
 
 @triton.jit
@@ -86,10 +79,10 @@ def _extend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
     offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
-    K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v, K_Pool, V_Pool,
+    K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    PREFETCH: tl.constexpr, SLOT64: tl.constexpr, POOL_TMA: tl.constexpr,
+    PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -99,8 +92,6 @@ def _extend_tiles(
     next request are finite and hidden by the causal/length mask of the MASKED tiles. Pool tiles load K as
     [keys, D] rows like V and transpose in shared memory, so both gathers use one layout of the slot ids (two
     replicated layouts cost 8 id loads and 12 spill instructions a tile); SLOT64: the pool's offsets need 64 bits.
-    POOL_TMA: unmasked pool tiles are one page's BLOCK_N consecutive slots, read through the [rows, Hkv * D]
-    descriptors K_Pool/V_Pool from the tile's first slot id (ExtendConfig.pool_tma).
     """
     if PREFETCH and not FROM_EXT and not MASKED:  # slot ids a tile ahead, in registers (ExtendConfig.prefetch_slots)
         ahead = lo + tl.arange(0, BLOCK_N)
@@ -124,11 +115,6 @@ def _extend_tiles(
                                  mask=n_mask[:, None] & d_mask[None, :], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
-        elif POOL_TMA:
-            row0 = tl.load(Kv_Indices + kv_start + start)
-            k = tl.trans(K_Pool.load([row0, ext_col_k]))
-            v = V_Pool.load([row0, ext_col_v])
-            slots = slot_offsets(row0 + tl.arange(0, BLOCK_N), SLOT64)  # for per-slot scales only
         else:
             if PREFETCH:
                 slots = slot_offsets(next_slots, SLOT64)
@@ -164,14 +150,14 @@ def _extend_tiles(
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext, K_Scale, V_Scale, K_Pool, V_Pool,
+    Q, Out, K_Buf, V_Buf, Qo_Indptr, Kv_Indptr, Kv_Indices, K_Ext, V_Ext, K_Scale, V_Scale,
     qk_scale, logit_cap, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ekt, stride_ekh, stride_evt, stride_evh, stride_ks, stride_vs, EXT: tl.constexpr, TMA: tl.constexpr,
     WS: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr, POOL_TMA: tl.constexpr,
+    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
 ):
     if SECTION > 0:  # one axis: SECTION (request, head) pairs at a time, heaviest query blocks first across them
         pid = tl.program_id(0)
@@ -232,26 +218,23 @@ def _extend_kernel(
         ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
                        stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
-                       kv_head * D, kv_head * DV, K_Pool, V_Pool)
+                       kv_head * D, kv_head * DV)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64,
-                                      POOL_TMA)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64,
-                                      POOL_TMA)
+                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH, SLOT64, POOL_TMA)
+                                          PREFETCH, SLOT64)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
         acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64,
-                                      POOL_TMA)
+                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
         if EXT:
             acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH, SLOT64, POOL_TMA)
+                                          PREFETCH, SLOT64)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -313,25 +296,13 @@ def _tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> 
     return has_tma(device)
 
 
-def _pool_tma_wanted(config: ExtendConfig, device: torch.device, interpret: bool) -> bool:
-    """Whether the unmasked pool loop may read its tiles by TMA (`ExtendConfig.pool_tma`; the page-size and
-    pool-layout conditions are the caller's): the config's choice, else SGLX_EXTEND_POOL_TMA on SM90+ GPUs."""
-    if config.pool_tma is False:
-        return False
-    if interpret:
-        return bool(config.pool_tma)
-    if config.pool_tma is None and not env_on("SGLX_EXTEND_POOL_TMA"):
-        return False
-    return has_tma(device)
-
-
 def extend_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int,
     scaling: float, *, sliding_window: int | None = None, logit_cap: float = 0.0,
     k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, fp8_dtype: torch.dtype | None = None,
     config: ExtendConfig = ExtendConfig(), interpret: bool = False,
-    k_ext: torch.Tensor | None = None, v_ext: torch.Tensor | None = None, prefix_tokens: int = 0, page_size: int = 1,
+    k_ext: torch.Tensor | None = None, v_ext: torch.Tensor | None = None, prefix_tokens: int = 0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (request i's rows qo_indptr[i]:qo_indptr[i+1]) -> out [T, Hq, Dv]; request i's keys are
     kv_indices[kv_indptr[i]:kv_indptr[i+1]], its new tokens being the last ones (already stored).
@@ -340,9 +311,7 @@ def extend_attention(
     hold exactly what was stored, and the new tokens' tiles are read from them instead of gathered
     from the pool. An fp8 pool ignores them, so both paths see the same quantized keys. prefix_tokens (the
     batch's cached keys, known on the host) only picks the tile shape. k_scale/v_scale: one float per
-    layer, or float32 `[rows, Hkv]` per-slot scales (q then already in the pool's rotated key basis). page_size: the
-    pool's (request i's key p sits at slot page * page_size + p % page_size), which lets whole-page tiles come by
-    TMA (`ExtendConfig.pool_tma`)."""
+    layer, or float32 `[rows, Hkv]` per-slot scales (q then already in the pool's rotated key basis)."""
     num_tokens, hq, dim = q.shape
     bs = qo_indptr.shape[0] - 1
     if q.stride(-1) != 1:
@@ -358,12 +327,7 @@ def extend_attention(
     tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
     ext_heavy = ext and prefix_tokens <= num_tokens
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma)
-    pool_tma = (not ext_heavy and _pool_tma_wanted(config, q.device, interpret)
-                and tma_rows_ok(k_buffer) and tma_rows_ok(v_buffer))
-    if pool_tma and page_size % block_n and config.block_n is None and page_size % 64 == 0 and not interpret:
-        block_n = 64  # whole pages of 64 keys: 128x64 tiles, as for this step's rows
-    pool_tma = pool_tma and page_size % block_n == 0
-    prefetch = (not ext_heavy if config.prefetch_slots is None else config.prefetch_slots) and not pool_tma
+    prefetch = not ext_heavy if config.prefetch_slots is None else config.prefetch_slots
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
     if slot_scales:
@@ -379,11 +343,8 @@ def extend_attention(
         k_ext, v_ext = k_buffer, v_buffer  # unused by the kernel
     k_ext_arg, v_ext_arg = ((tma_rows_descriptor(k_ext, block_n), tma_rows_descriptor(v_ext, block_n)) if tma
                             else (k_ext, v_ext))
-    k_pool, v_pool = ((tma_rows_descriptor(k_buffer, block_n), tma_rows_descriptor(v_buffer, block_n)) if pool_tma
-                      else (k_buffer, v_buffer))
     _extend_kernel[grid](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, k_ext_arg, v_ext_arg, k_scales, v_scales,
-        k_pool, v_pool,
         qk_scale, float(logit_cap), float(v_scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -392,7 +353,7 @@ def extend_attention(
         GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=_kv_code(config, fp8_dtype, q, interpret), SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, PREFETCH=prefetch,
-        SLOT64=not offsets_fit_int32(k_buffer, v_buffer), POOL_TMA=pool_tma,
+        SLOT64=not offsets_fit_int32(k_buffer, v_buffer),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -233,8 +233,7 @@ class TritonBackend(AttentionBackend):
         return extend_attention(
             q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id], out, meta.qo_indptr,
             meta.kv_indptr, meta.kv_indices, meta.max_extend_len, layer.scaling, config=self.extend_config,
-            k_ext=k, v_ext=v, prefix_tokens=meta.prefix_tokens, page_size=pool.page_size,
-            **self._kernel_args(layer, batch))
+            k_ext=k, v_ext=v, prefix_tokens=meta.prefix_tokens, **self._kernel_args(layer, batch))
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
