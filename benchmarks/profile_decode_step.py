@@ -72,11 +72,12 @@ def main() -> None:
     ap.add_argument("--output", default="profile_decode_step.json")
     ap.add_argument("--trace", default=None, help="where to keep the chrome trace of the profiled steps")
     ap.add_argument("--attention-backend", default="triton", help="as the CLI's; 'auto' leaves it to auto-selection")
+    ap.add_argument("--model-path", default="llama-3.1-8b", help="a shipped dummy config (deepseek-v2-lite, ...)")
     args = ap.parse_args()
     from sglx.llm.model_runner import ModelRunner
 
     cfg1 = OneBatchConfig(batch_sizes=(1,), input_len=512, output_len=64)
-    base = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16",
+    base = EngineConfig(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
                         attention_backend=None if args.attention_backend == "auto" else args.attention_backend)
     runner = ModelRunner(engine_config_for(base, cfg1))
     out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

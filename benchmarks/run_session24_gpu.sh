@@ -6,7 +6,7 @@
 #   ab       one-batch at batch $BS (default 1), Llama-3.1-8B, $AB_SWITCH (default SGLX_GEMV_EPILOGUES; session 25:
 #            SGLX_FOLD_NORMS, SGLX_GEMV_PDL; session 27: SGLX_ROW_SCALED_NORMS with BS=64) at each of $AB_VALUES
 #            (default "1 0") in turn, fresh processes, $REPS rounds
-#   abattn   one-batch at batch $BS, Llama-3.1-8B, each attention choice of $AB_ATTN (default "auto triton"; auto
+#   abattn   one-batch at batch $BS, $MODEL (default llama-3.1-8b), each attention choice of $AB_ATTN (default "auto triton"; auto
 #            leaves --attention-backend unset, so the engine's measured pick runs) in turn, fresh processes, $REPS
 #            rounds (session 28: the sm90-h200 record's pick with FlashInfer carried against triton)
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
@@ -55,8 +55,8 @@ for stage in "$@"; do
       for rep in $(seq 1 "${REPS:-2}"); do
         for attn in ${AB_ATTN:-auto triton}; do
           echo "--- round $rep attention $attn $(date +%T)"
-          ( export ATTN=$attn; one_batch_bs1 "$PWD/src" llama-3.1-8b \
-              "$WORK/one_batch_llama-3.1-8b_bs${BS:-1}_${attn}_r${rep}.json" )
+          ( export ATTN=$attn; one_batch_bs1 "$PWD/src" "${MODEL:-llama-3.1-8b}" \
+              "$WORK/one_batch_${MODEL:-llama-3.1-8b}_bs${BS:-1}_${attn}_r${rep}.json" )
         done
       done ;;
     abtree)  # batch-1 one-batch, this tree against .old_src/src (another tree's src: `git archive <rev> src | tar -x -C

@@ -294,9 +294,10 @@ def _auto_measured(
         top = r.ranked[0] if r.ranked else None
         if top is not None and top.engine_ratio is not None:
             engine = sum(s.shape.startswith(ENGINE_SHAPE) for s in top.shapes)
+            kernels = [s.ratio for s in top.shapes if not s.shape.startswith(ENGINE_SHAPE)]
+            alone = (f"; kernels alone worst {max(kernels):.3f}x over {len(kernels)} shapes" if kernels else "")
             parts.append(f"{r.phase} {r.pick} (in the engine worst {top.engine_ratio:.3f}x of the fastest runnable "
-                         f"backend over {engine} recorded engine shapes; kernels alone worst {top.worst_ratio:.3f}x "
-                         f"over {len(top.shapes)} of {len(top.shapes) + len(top.missing)} shapes)")
+                         f"backend over {engine} recorded engine shapes{alone})")
         elif top is not None:
             parts.append(f"{r.phase} {r.pick} (worst {top.worst_ratio:.3f}x of the fastest runnable backend over "
                          f"{len(top.shapes)} of {len(top.shapes) + len(top.missing)} recorded shapes)")
