@@ -14,8 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglx.attention.measured",
         description="Record sglx backends' medians from `sglx bench attention --json` reports (one GPU class) "
-                    "so that auto-selection ranks backends by them. Point SGLX_ATTENTION_RECORDS at the "
-                    "output's directory to use your own record.")
+                    "so that auto-selection ranks backends by them; `sglx bench one-batch --json` reports add the "
+                    "whole engine's medians (decode step, prefill), which rank before the kernels'. Point "
+                    "SGLX_ATTENTION_RECORDS at the output's directory to use your own record.")
     parser.add_argument("reports", nargs="+", type=Path, help="report JSON files (REPORT or REPORT@DATE)")
     parser.add_argument("--gpu-class", required=True, help="e.g. sm90-h100 (sglx doctor --json shows yours)")
     parser.add_argument("--output", required=True, type=Path, help="where to write <gpu class>.json")
