@@ -107,6 +107,46 @@ def test_align_sorts_pairs_stably_into_one_expert_blocks():
     assert [e for e in block_expert.tolist() if e >= 0] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 8, 66, 16), (37, 6, 64, 16), (64, 8, 66, 64),
+                                                        (5, 2, 4, 16), (90, 3, 7, 32)])
+def test_align_by_sort_lays_out_pairs_as_the_kernel(tokens, k, experts, block_m):
+    """moe_align_by_sort (torch, for many pairs) against _moe_align_kernel (one program): the same blocks, experts,
+    row counts and pair order, on random routings where some experts get nothing and some get several blocks."""
+    from sglx.llm.kernels import fused_moe as fm
+
+    gen = torch.Generator().manual_seed(tokens * 7 + k)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    if experts > 8:  # crowd a few experts so their runs span blocks, leave others empty
+        ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.5, ids % 5, ids)
+    assert ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS  # moe_align below takes the kernel
+    want = moe_align(ids, experts, block_m)
+    got = fm.moe_align_by_sort(ids, experts, block_m)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    for b, n in enumerate(want[2].tolist()):
+        assert torch.equal(got[0][b * block_m:b * block_m + n], want[0][b * block_m:b * block_m + n])
+
+
+def test_many_pairs_take_the_sort_and_give_the_kernels_output(monkeypatch):
+    """Past ALIGN_KERNEL_MAX_PAIRS moe_align sorts with torch; fused_moe's output is bitwise the kernel layout's."""
+    from sglx.llm.kernels import fused_moe as fm
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, k, experts, hidden, inter = 90, 6, 8, 32, 16
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    calls = []
+    real = fm.moe_align_by_sort
+    monkeypatch.setattr(fm, "moe_align_by_sort", lambda *a: calls.append(a[0].numel()) or real(*a))
+    by_sort = fused_moe(x, w13, w2, weights, ids, interpret=True)
+    assert calls == [tokens * k]
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_PAIRS", 10**6)
+    by_kernel = fused_moe(x, w13, w2, weights, ids, interpret=True)
+    assert calls == [tokens * k] and torch.equal(by_sort, by_kernel)
+
+
 def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeypatch):
     """The whole model (V3-shaped: sigmoid noaux_tc routing over groups, shared expert) with every MoE layer on
     the fused Triton experts, as on a GPU: logits and greedy tokens equal transformers'."""

@@ -239,11 +239,56 @@ def moe_block_m(pairs: int, interpret: bool = False) -> int:
     return default_tiles(pairs, interpret).block_m
 
 
+# Above this many (token, choice) pairs moe_align sorts with torch (a stable sort and a few small launches) instead
+# of `_moe_align_kernel`, one program that walks every pair twice: session 28's profile of DeepSeek-V2-Lite's
+# 512-token prefill (4,096 pairs, H200) found that kernel at 290 us a launch, 7.5 of the prefill's 21.6 ms of GPU
+# time, and its loop grows with the pairs. Decode batches (a few pairs) and CUDA-graph captures keep the one launch
+# (graphs replay what was measured before; the sort inside a capture has not run on a GPU). The crossover itself is
+# not measured yet (written without GPU time).
+ALIGN_KERNEL_MAX_PAIRS = 512
+
+
+def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows that any routing of `pairs` pairs over `num_experts` experts fits (host-side bound)."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+
+
+def moe_align_by_sort(ids: torch.Tensor, num_experts: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align's result from torch operations (no host sync, CUDA-graph safe): pairs stably sorted by expert, each
+    expert's run starting at a multiple of block_m; the same layout and values as `_moe_align_kernel` (rows past an
+    expert's pairs are left unwritten in both)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    pairs, device = flat.numel(), flat.device
+    blocks = _blocks_bound(pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    first = counts.cumsum(0) - counts  # each expert's first position in the unpadded sorted order
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    dest = pad_start[expert] + torch.arange(pairs, device=device) - first[expert]
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.to(torch.int32)
+    row0 = torch.arange(blocks, device=device) * block_m
+    owner = torch.searchsorted(pad_end, row0, right=True)  # experts whose padded run ends at or before the block
+    used = owner < num_experts
+    mine = owner.clamp(max=num_experts - 1)
+    rows = (counts[mine] - (row0 - pad_start[mine])).clamp(0, block_m)
+    block_expert = torch.where(used, owner, -1).to(torch.int32)
+    block_rows = torch.where(used, rows, 0).to(torch.int32)
+    return sorted_ids, block_expert, block_rows
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted pair ids [blocks * block_m] int32, expert of each block [blocks] int32 (-1 unused),
-    real rows of each block [blocks] int32). The block count is a bound known on the host (no sync)."""
+    real rows of each block [blocks] int32). The block count is a bound known on the host (no sync). Past
+    ALIGN_KERNEL_MAX_PAIRS pairs, outside CUDA-graph captures: `moe_align_by_sort`."""
     pairs = ids.numel()
-    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    if pairs > ALIGN_KERNEL_MAX_PAIRS and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return moe_align_by_sort(ids, num_experts, block_m)
+    blocks = _blocks_bound(pairs, num_experts, block_m)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
