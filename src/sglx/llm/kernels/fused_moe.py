@@ -242,10 +242,12 @@ def moe_block_m(pairs: int, interpret: bool = False) -> int:
 # Above this many (token, choice) pairs moe_align sorts with torch (a stable sort and a few small launches) instead
 # of `_moe_align_kernel`, one program that walks every pair twice: session 28's profile of DeepSeek-V2-Lite's
 # 512-token prefill (4,096 pairs, H200) found that kernel at 290 us a launch, 7.5 of the prefill's 21.6 ms of GPU
-# time, and its loop grows with the pairs. Decode batches (a few pairs) and CUDA-graph captures keep the one launch
-# (graphs replay what was measured before; the sort inside a capture has not run on a GPU). The crossover itself is
-# not measured yet (written without GPU time).
-ALIGN_KERNEL_MAX_PAIRS = 512
+# time, and its loop grows with the pairs. The sort costs about a dozen launches of host time, and an eager prefill
+# of that size is host-bound (that prefill: 29-48 ms wall for its 21.6 ms of GPU work), so up to that size the one
+# launch stays; larger prefills (GPU-bound: DeepSeek-V2-Lite's 64 x 512-token prefill took 940-954 ms) sort.
+# CUDA-graph captures keep the kernel too (the sort inside a capture has not run on a GPU). Written without GPU
+# time: neither the gain nor the crossover is measured yet.
+ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:
