@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sglx.attention.measured.__main__ import main as record_main
-from sglx.attention.measured.build import ENGINE_SHAPE, build_record, measurements
-from sglx.attention.measured.record import RECORDS_ENV, gpu_class
+from sglx.attention.measured.build import build_record, measurements
+from sglx.attention.measured.record import RECORDS_ENV, engine_shape, gpu_class
 from sglx.attention.registry import availability, find
 from sglx.attention.request import AttentionRequest
 from sglx.attention.selection import LLMBackendArgs, LLMSelection, ModelTraits, select_llm
@@ -100,10 +100,6 @@ def test_record_ships_with_the_package() -> None:
     assert '"**/*.json"' in section.split("\n[", 1)[0]
     for cls in GPUS:
         assert (ROOT / "src" / "sglx" / "attention" / "measured" / f"{cls}.json").is_file()
-
-
-def engine_shape(shape: str) -> bool:
-    return shape.startswith(ENGINE_SHAPE)
 
 
 def _recorded_shapes() -> list[tuple[str, str, str, str, int, str]]:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglx.attention.measured.build import ENGINE_SHAPE
-from sglx.attention.measured.record import record_for
+from sglx.attention.measured.record import engine_shape, record_for
 from sglx.attention.registry import (
     BackendSpec,
     DiffusionFeatures,
@@ -287,7 +286,7 @@ def auto_selection() -> list[str]:
                 f"Auto picks: MHA {mha_pick}; MLA {mla_pick}; diffusion {dit_pick}.", ""]
         record = record_for(snap)
         if record is not None:
-            engine = any(e.shape.startswith(ENGINE_SHAPE) for e in record.entries)
+            engine = any(engine_shape(e.shape) for e in record.entries)
             out += [f"This GPU class ({record.gpu_class}) has a measured record (`{record.origin}`): auto ranks "
                     "each LLM phase by its recorded medians" + (
                         " (the whole engine's, from `sglx bench one-batch`, before the kernels')" if engine else "")

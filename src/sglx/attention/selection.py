@@ -11,9 +11,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from sglx.attention.measured.build import ENGINE_SHAPE
 from sglx.attention.measured.ranking import TIE_MARGIN, PhaseRanking, global_worst_ratio, rank_phase
-from sglx.attention.measured.record import Record, gpu_class, record_for
+from sglx.attention.measured.record import Record, engine_shape, gpu_class, record_for
 from sglx.attention.registry import (
     BackendSpec,
     all_backends,
@@ -293,8 +292,8 @@ def _auto_measured(
     for r in rankings:
         top = r.ranked[0] if r.ranked else None
         if top is not None and top.engine_ratio is not None:
-            engine = sum(s.shape.startswith(ENGINE_SHAPE) for s in top.shapes)
-            kernels = [s.ratio for s in top.shapes if not s.shape.startswith(ENGINE_SHAPE)]
+            engine = sum(engine_shape(s.shape) for s in top.shapes)
+            kernels = [s.ratio for s in top.shapes if not engine_shape(s.shape)]
             alone = (f"; kernels alone worst {max(kernels):.3f}x over {len(kernels)} shapes" if kernels else "")
             parts.append(f"{r.phase} {r.pick} (in the engine worst {top.engine_ratio:.3f}x of the fastest runnable "
                          f"backend over {engine} recorded engine shapes{alone})")

@@ -12,11 +12,9 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from sglx.attention.measured.record import FORMAT, Measurement
+from sglx.attention.measured.record import ENGINE_SHAPE, FORMAT, Measurement
 
 SGLX_BENCH = "sglx bench attention"
-# shape labels of whole-engine medians start with this (ranking.py ranks by them before the kernels' shapes)
-ENGINE_SHAPE = "engine "
 
 
 def _bench_attention(data: dict[str, Any], source: str, date: str | None) -> list[Measurement]:
@@ -46,7 +44,7 @@ def _one_batch(data: dict[str, Any], source: str, date: str | None) -> list[Meas
     if not when:
         raise ValueError(f"{source}: the report has no date; give one")
     model = str(data["model_path"]).rstrip("/").rsplit("/", 1)[-1]
-    kind = "mla" if str(data["architecture"]).startswith("Deepseek") else "mha"
+    kind = "mla" if str(data["architecture"]).startswith("Deepseek") else "mha"  # sglx's MLA models: DeepSeek V2/V3
     page, kv = int(data["page_size"]), str(data["kv_cache_dtype"])
     notes = {phase: f"sglx bench one-batch: {what} ({graphs} {'on' if data.get(key) else 'off'})"
              for phase, what, graphs, key in (("decode", "decode step", "CUDA graphs", "cuda_graph"),

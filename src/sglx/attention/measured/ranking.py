@@ -11,7 +11,7 @@ those decide first: a backend's score is its worst ratio over the engine shapes,
 better kernel score, and backends the engine never ran follow the ones it did. Why: a kernel's median leaves out
 what the engine adds around it (H200, session 28: FlashInfer's prefill kernel is 1.24x faster than triton's on
 B4 4k, but the engine graphs only triton's short prefills, so a 512-token prompt took 24.0 ms against 12.6; the
-trtllm_mha decode kernel is fastest at B1 ctx 4096, yet the engine's batch-1 step was 6% slower with it).
+trtllm_mha decode kernel is fastest at B1 ctx 4096, yet the engine's batch-1 step was 5-9% slower with it).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglx.attention.measured.build import ENGINE_SHAPE
-from sglx.attention.measured.record import Measurement, Record
+from sglx.attention.measured.record import Measurement, Record, engine_shape
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
         if at_size:
             # the engine's medians count at any page size: what they add over the kernels (graphs, host work,
             # fused stores) does not depend on it
-            pool = at_size + [e for e in pool if e.page_size != page_size and e.shape.startswith(ENGINE_SHAPE)]
+            pool = at_size + [e for e in pool if e.page_size != page_size and engine_shape(e.shape)]
             notes.append(f"page size {page_size}")
         else:
             notes.append(f"nothing measured at page size {page_size}, so every measured page size counts")
@@ -141,7 +140,7 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
                         fastest[s].backend, fastest[s].median_ms, e.source, e.date, e.device)
             for s in shapes if (e := best_entry.get((s, backend))) is not None)
         missing = tuple(s for s in shapes if (s, backend) not in best_entry)
-        engine = [r.ratio for r in results if r.shape.startswith(ENGINE_SHAPE)]
+        engine = [r.ratio for r in results if engine_shape(r.shape)]
         ranked.append(Ranked(backend, max(r.ratio for r in results), results, missing,
                              max(engine) if engine else None))
     if any(r.engine_ratio is not None for r in ranked):

@@ -19,6 +19,16 @@ RECORDS_ENV = "SGLX_ATTENTION_RECORDS"
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
 
 
+# shape labels of whole-engine medians (`sglx bench one-batch` reports) start with this; ranking.py ranks by them
+# before the kernels' shapes
+ENGINE_SHAPE = "engine "
+
+
+def engine_shape(shape: str) -> bool:
+    """Whether a recorded shape is the whole engine's (a one-batch step or prefill), not one kernel call's."""
+    return shape.startswith(ENGINE_SHAPE)
+
+
 @dataclass(frozen=True)
 class Measurement:
     """One median of one sglx backend on one bench shape, with where and when it was measured."""
