@@ -16,7 +16,7 @@ trtllm_mha decode kernel is fastest at B1 ctx 4096, yet the engine's batch-1 ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sglx.attention.measured.record import Measurement, Record, engine_shape
@@ -86,6 +86,16 @@ class PhaseRanking:
 TIE_MARGIN = 0.02
 
 
+def _ties_broken(ranked: list[Ranked], score: Callable[[Ranked], float], tie_key: Callable[[Ranked], tuple]
+                 ) -> list[Ranked]:
+    """Best score first; the backends within TIE_MARGIN of the best are a tie, ordered by tie_key."""
+    ranked = sorted(ranked, key=lambda r: (score(r), tie_key(r)))
+    if not ranked:
+        return ranked
+    cut = score(ranked[0]) * (1.0 + TIE_MARGIN)
+    return sorted((r for r in ranked if score(r) <= cut), key=tie_key) + [r for r in ranked if score(r) > cut]
+
+
 def _latest(entries: list[Measurement]) -> Measurement:
     return max(entries, key=lambda e: e.date)
 
@@ -145,18 +155,12 @@ def rank_phase(record: Record, kind: str, phase: str, kv_cache_dtype: str, page_
                              max(engine) if engine else None))
     if any(r.engine_ratio is not None for r in ranked):
         notes.append("the engine's medians first")
-        ran = sorted((r for r in ranked if r.engine_ratio is not None),
-                     key=lambda r: (r.engine_ratio, r.worst_ratio, order[r.backend]))
-        cut = ran[0].engine_ratio * (1.0 + TIE_MARGIN)  # type: ignore[operator]
-        tied = sorted((r for r in ran if r.engine_ratio <= cut), key=lambda r: (r.worst_ratio, order[r.backend]))
+        ran = _ties_broken([r for r in ranked if r.engine_ratio is not None], lambda r: r.engine_ratio,
+                           lambda r: (r.worst_ratio, order[r.backend]))
         rest = sorted((r for r in ranked if r.engine_ratio is None), key=lambda r: (r.worst_ratio, order[r.backend]))
-        ranked = tied + [r for r in ran if r.engine_ratio > cut] + rest  # type: ignore[operator]
-    else:
-        ranked.sort(key=lambda r: (r.worst_ratio, -len(r.shapes), order[r.backend]))
-    if ranked and ranked[0].engine_ratio is None:  # within TIE_MARGIN of the best: broader coverage, SGLang's order
-        cut = ranked[0].worst_ratio * (1.0 + TIE_MARGIN)
-        tied = sorted((r for r in ranked if r.worst_ratio <= cut), key=lambda r: (-len(r.shapes), order[r.backend]))
-        ranked = tied + [r for r in ranked if r.worst_ratio > cut]
+        ranked = ran + rest
+    else:  # ties: broader coverage, then SGLang's order
+        ranked = _ties_broken(ranked, lambda r: r.worst_ratio, lambda r: (-len(r.shapes), order[r.backend]))
     measured = {r.backend for r in ranked}
     unmeasured = tuple(b for b in sglang_order if b in runnable and b not in measured)
     basis = (f"ranked by the medians recorded for {record.gpu_class} ({'; '.join(notes)})" if ranked
