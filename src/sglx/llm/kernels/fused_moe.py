@@ -257,9 +257,9 @@ def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:
 
 def moe_align_by_sort(ids: torch.Tensor, num_experts: int, block_m: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align's result from torch operations (no host sync, CUDA-graph safe): pairs stably sorted by expert, each
-    expert's run starting at a multiple of block_m; the same layout and values as `_moe_align_kernel` (rows past an
-    expert's pairs are left unwritten in both)."""
+    """moe_align's result from torch operations (no host sync; moe_align keeps it out of CUDA-graph captures, where it
+    has not run on a GPU): pairs stably sorted by expert, each expert's run starting at a multiple of block_m; the
+    same layout and values as `_moe_align_kernel` (rows past an expert's pairs are left unwritten in both)."""
     flat = ids.reshape(-1).to(torch.int64)
     pairs, device = flat.numel(), flat.device
     blocks = _blocks_bound(pairs, num_experts, block_m)
