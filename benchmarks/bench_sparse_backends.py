@@ -29,8 +29,15 @@ from sglx.attention.diffusion.metadata import DiTAttnMetadata  # noqa: E402
 from sglx.attention.diffusion.sparse.kmeans import ASSIGN_ENV  # noqa: E402
 from sglx.attention.diffusion.sparse.routes import pick_route, run_block_sparse  # noqa: E402
 from sglx.attention.diffusion.sparse.svg2 import SparseVideoGen2Backend, permute  # noqa: E402
+from sglx.attention.diffusion.sparse.tile_order import tile_order, tokens_in_tile_order  # noqa: E402
 from sglx.attention.diffusion.sparse.tiled import to_order  # noqa: E402
-from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend, vsa_plan  # noqa: E402
+from sglx.attention.diffusion.sparse.video_sparse import (  # noqa: E402
+    CUBE,
+    CUBE_TOKENS,
+    VideoSparseAttentionBackend,
+    plan_ordered,
+    vsa_plan,
+)
 from sglx.attention.diffusion.sparse.vmoba import VMoBABackend, vmoba_plan  # noqa: E402
 from sglx.bench.diffusion_sparse import clustered as clustered_tokens  # noqa: E402
 
@@ -81,10 +88,14 @@ def main() -> None:
                     help="run only these backends (repeatable; default all)")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also profile this many warm SVG2 / whole VSA calls (torch.profiler: top GPU ops, host time)")
+    ap.add_argument("--route", choices=("fa4", "triton"), default=None,
+                    help="force the block-sparse route of every sparse run (SGLX_BLOCK_SPARSE_ROUTE)")
     ap.add_argument("--grid", default=None, metavar="TxHxW",
                     help="latent grid (default 21x30x52, Wan2.1-1.3B at 480p; issue 11's table is 18x48x80)")
     args = ap.parse_args()
     only = set(args.only or ("vsa", "vmoba", "svg2"))
+    if args.route:
+        os.environ["SGLX_BLOCK_SPARSE_ROUTE"] = args.route
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     grid, heads, dim = ((3, 6, 8), 2, 64) if args.tiny else ((21, 30, 52), 12, 128)
@@ -168,6 +179,21 @@ def run_vsa(q, k, v, meta, scale, device, gen, record, results, args) -> None:
                                                     device), **extra)
     record("video_sparse_attn 0.875: whole call", bench(lambda: vsa.forward(q, k, v, scale=scale, meta=meta),
                                                         device), **extra)
+    if vsa.step_order(meta, q) is plan.order:  # a Wan DiT keeps its tokens in cube order for the whole step
+        def kept() -> torch.Tensor:
+            with tokens_in_tile_order(plan.order):
+                return vsa.forward(qs, ks, vs, scale=scale, meta=meta)
+
+        record("video_sparse_attn 0.875: whole call, tokens kept in cube order", bench(kept, device), **extra)
+    # the layout before edge cubes were packed (each edge cube padded to a block of its own), same run
+    padded = tile_order(meta.grid, CUBE, 0, True, CUBE_TOKENS)
+    if padded.slots != plan.order.slots:
+        pq, pk, pv = (to_order(t, padded) for t in (q, k, v))
+        old = plan_ordered(pq, pk, padded, 0.875, scale)
+        record("video_sparse_attn 0.875: kernel, edge cubes padded (before)",
+               bench(lambda: run_block_sparse(pq, pk, pv, old.layout, scale), device),
+               density=round(old.layout.density(), 4), work_vs_dense=work(old.layout, meta.seq_len),
+               route=pick_route(pq, old.layout)[0])
     upstream_vsa(qs, ks, vs, plan, out, scale, device, record)
     if args.profile:
         results["vsa_whole_call_profile"] = profile_calls(lambda: vsa.forward(q, k, v, scale=scale, meta=meta),

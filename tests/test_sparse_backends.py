@@ -108,10 +108,18 @@ def test_layout_from_mask_equals_the_sorting_constructor():
 # --------------------------------------------------------------------------------------------------- VSA
 
 
-def brute_force_vsa(q, k, meta, sparsity, scale):
-    """Token mask of VSA computed cube by cube with Python loops (float64)."""
+def vsa_blocks(meta):
+    """VSA's blocks as sequence positions: the whole 4x4x4 cubes (row-major), then the tokens of the edge cubes
+    back to back (row-major cubes) cut into 64-token blocks."""
     pos = video_positions(meta)
     cubes = [[pos(*c) for c in cube] for cube in boxes(meta.grid, (4, 4, 4))]
+    edge = [p for cube in cubes if len(cube) != 64 for p in cube]
+    return [cube for cube in cubes if len(cube) == 64] + [edge[i:i + 64] for i in range(0, len(edge), 64)]
+
+
+def brute_force_vsa(q, k, meta, sparsity, scale):
+    """Token mask of VSA computed block by block with Python loops (float64)."""
+    cubes = vsa_blocks(meta)
     b, s, hq, _ = q.shape
     group = hq // k.shape[2]
     qc = torch.stack([q[:, idx].mean(1) for idx in cubes], 2)  # [B, H, n, D]
@@ -126,10 +134,10 @@ def brute_force_vsa(q, k, meta, sparsity, scale):
 
 
 @pytest.mark.parametrize(("grid", "text", "position", "sparsity"), [
-    ((5, 6, 7), 0, "none", 0.6),       # nothing divides by 4: edge cubes padded
+    ((5, 6, 7), 0, "none", 0.6),       # nothing divides by 4: edge cubes packed
     ((4, 8, 4), 0, "none", 0.5),       # divides: no padding at all
     ((3, 5, 9), 7, "prefix", 0.7),     # FLUX-like text prefix
-    ((6, 3, 5), 70, "suffix", 0.4),    # text suffix longer than one block
+    ((6, 5, 9), 70, "suffix", 0.4),    # text suffix longer than one block
 ])
 def test_vsa_layout_and_output_match_brute_force(grid, text, position, sparsity):
     meta = make_meta(grid, text, position)
@@ -158,8 +166,7 @@ def test_vsa_gated_coarse_branch_matches_reference():
     q, k, v = qkv(meta)
     gate = torch.rand_like(q)
     out = video_sparse_attention(q, k, v, meta, 0.6, 0.3, gate_compress=gate)
-    pos = video_positions(meta)
-    cubes = [[pos(*c) for c in cube] for cube in boxes(meta.grid, (4, 4, 4))]
+    cubes = vsa_blocks(meta)
     qc = torch.stack([q[:, idx].mean(1) for idx in cubes], 2)
     kc = torch.stack([k[:, idx].mean(1) for idx in cubes], 2).repeat_interleave(2, 1)
     vc = torch.stack([v[:, idx].mean(1) for idx in cubes], 2).repeat_interleave(2, 1)
@@ -674,13 +681,14 @@ def test_gpu_bf16_matches_float64_under_the_same_plan(name, dim):
     assert err <= 2e-2, err
 
 
-@pytest.mark.parametrize(("name", "config"), [
-    ("video_sparse_attn", "sparsity=0.5"),
-    ("vmoba_attn", "first_full_step=1,spatial_chunk_size=[2,2],st_chunk_size=[1,2,4]"),
+@pytest.mark.parametrize(("name", "config", "size", "grid"), [
+    # VSA packs the edge cubes of 1x4x8 into one 64-token block (dense): 1x8x16 makes two blocks
+    ("video_sparse_attn", "sparsity=0.5", (128, 256), (1, 8, 16)),
+    ("vmoba_attn", "first_full_step=1,spatial_chunk_size=[2,2],st_chunk_size=[1,2,4]", (64, 128), (1, 4, 8)),
     ("sparse_video_gen_2_attn", "first_times_fp=0.5,num_q_centroids=3,num_k_centroids=6,top_p_kmeans=0.4,"
-                                "min_kc_ratio=0.0,first_layers_fp=0.0"),
+                                "min_kc_ratio=0.0,first_layers_fp=0.0", (64, 128), (1, 4, 8)),
 ])
-def test_tiny_flux_end_to_end_with_a_text_prefix(tmp_path, monkeypatch, name, config):
+def test_tiny_flux_end_to_end_with_a_text_prefix(tmp_path, monkeypatch, name, config, size, grid):
     """FLUX's joint attention puts the text tokens before the image tokens: they attend and are attended fully."""
     pytest.importorskip("diffusers")
     from diffusion_test_utils import make_tiny_flux
@@ -703,11 +711,11 @@ def test_tiny_flux_end_to_end_with_a_text_prefix(tmp_path, monkeypatch, name, co
     flux = make_tiny_flux(tmp_path / "flux")
     engine = DiffusionEngine(EngineConfig(model_path=str(flux), device="cpu", attention_backend=name,
                                           attention_backend_config=config))
-    req = DiffusionRequest(prompt="a red circle", height=64, width=128, num_inference_steps=2, guidance_scale=3.5,
-                           seed=2)
+    req = DiffusionRequest(prompt="a red circle", height=size[0], width=size[1], num_inference_steps=2,
+                           guidance_scale=3.5, seed=2)
     out = engine.generate(req)
     assert np.isfinite(np.asarray(out.frames, dtype=np.float32)).all()
-    assert {g for _, g, _, _ in seen} == {(1, 4, 8)} and min(t for _, _, t, _ in seen) > 0
+    assert {g for _, g, _, _ in seen} == {grid} and min(t for _, _, t, _ in seen) > 0
     assert len(seen) == 6  # 3 layers x 2 steps
     dense_step = [d for s, _, _, d in seen if s == 0]
     sparse_step = [d for s, _, _, d in seen if s == 1]
@@ -766,3 +774,55 @@ def test_vmoba_chunk_blocks_prefer_64_token_tiles_on_cuda() -> None:
     assert chunk_block(20, cuda) == 32  # 64 would double 32: the 1/16 rule picks 32 (no padding beyond 16's)
     assert chunk_block(10, cuda) == 16  # 32 would double 16
     assert chunk_block(96, cpu) == 16
+
+
+def test_wan_keeps_cube_order_across_blocks_and_matches_the_per_layer_reorder():
+    """VSA's packed cube order is a pure permutation: a Wan DiT keeps its tokens in it for the whole forward
+    (sglx.diffusion.step_order) and every VSA layer skips its gathers. Same output as reordering in every layer."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    from diffusers import WanTransformer3DModel
+
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.attention.diffusion.metadata import dit_step
+    from sglx.attention.diffusion.sparse.tile_order import step_tile_order
+    from sglx.diffusion.processors.wan import install
+
+    class PerLayer(DiffusionAttentionBackend):  # the same VSA without step_order: reorders in every layer
+        def __init__(self, inner):
+            super().__init__({})
+            self.inner = inner
+
+        def forward_dense(self, q, k, v, *, scale=None):
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    class Spied(VideoSparseAttentionBackend):
+        seen: list = []
+
+        def run(self, q, k, v, layout, scale):
+            self.seen.append(step_tile_order() is not None)
+            return super().run(q, k, v, layout, scale)
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=16, ffn_dim=64, num_layers=3,
+                                  rope_max_seq_len=64).eval()
+    vsa = Spied({"sparsity": 0.5})  # grid 3x4x16: four 3x4x4 edge cubes packed into three blocks, two kept
+    kept, per_layer = copy.deepcopy(model), copy.deepcopy(model)
+    install(kept, vsa)
+    install(per_layer, PerLayer(vsa))
+    meta = DiTAttnMetadata(grid=(3, 4, 16), num_heads=2, head_dim=16, num_layers=3)
+    inputs = {"hidden_states": torch.randn(1, 4, 3, 8, 32), "timestep": torch.tensor([500.0]),
+              "encoder_hidden_states": torch.randn(1, 8, 32), "return_dict": False}
+    with torch.no_grad(), dit_step(meta):
+        got = kept(**inputs)[0]
+        assert vsa.seen == [True] * 3 and step_tile_order() is None  # every layer, and reset after
+        want = per_layer(**inputs)[0]
+        assert vsa.seen == [True] * 3 + [False] * 3
+        dense = model(**inputs)[0]
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert (got - dense).abs().max() > 1e-3  # one of three blocks dropped per query block: really sparse

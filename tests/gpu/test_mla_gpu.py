@@ -356,15 +356,15 @@ def test_bf16_engine_576_latent_vs_hf_and_graphs(deepseek_576: dict, arch: str, 
 
 @pytest.mark.parametrize("tokens", [513, 1024, 8192])
 def test_moe_align_by_sort_matches_the_kernel(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """moe_align past ALIGN_KERNEL_MAX_PAIRS (torch's stable sort) lays pairs out as the one-program kernel does, at
-    DeepSeek-V2-Lite's routing (64 routed + 2 shared experts, 8 pairs a token)."""
+    """moe_align_by_sort (torch's stable sort, moe_align's path past ALIGN_KERNEL_MAX_PAIRS) lays pairs out as the
+    one-program kernel does, at DeepSeek-V2-Lite's routing (64 routed + 2 shared experts, 8 pairs a token)."""
     from sglx.llm.kernels import fused_moe as fm
 
     gen = torch.Generator(DEV).manual_seed(tokens)
     routed = torch.rand(tokens, 64, generator=gen, device=DEV).topk(6, dim=1).indices
     ids = torch.cat([routed, torch.tensor([64, 65], device=DEV).expand(tokens, 2)], 1).to(torch.int32)
     block_m = fm.moe_block_m(ids.numel())
-    got = fm.moe_align(ids, 66, block_m)
+    got = fm.moe_align_by_sort(ids, 66, block_m)
     monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_PAIRS", 10**9)
     want = fm.moe_align(ids, 66, block_m)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])

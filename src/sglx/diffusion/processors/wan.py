@@ -108,5 +108,5 @@ def install(transformer: Any, backend: DiffusionAttentionBackend, fuse: bool = T
             attn.set_processor(WanAttnProcessor(attention))
         if fuse and isinstance(block.norm2, nn.LayerNorm | nn.Identity):
             block.forward = types.MethodType(wan_block_forward, block)
-    install_step_order(transformer, backend)  # STA: tokens stay in tile order from the first block to the last
+    install_step_order(transformer, backend)  # STA, VSA: tokens stay in tile order from the first block to the last
     return len(transformer.blocks)

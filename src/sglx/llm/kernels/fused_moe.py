@@ -240,14 +240,13 @@ def moe_block_m(pairs: int, interpret: bool = False) -> int:
 
 
 # Above this many (token, choice) pairs moe_align sorts with torch (a stable sort and a few small launches) instead
-# of `_moe_align_kernel`, one program that walks every pair twice: session 28's profile of DeepSeek-V2-Lite's
-# 512-token prefill (4,096 pairs, H200) found that kernel at 290 us a launch, 7.5 of the prefill's 21.6 ms of GPU
-# time, and its loop grows with the pairs. The sort costs about a dozen launches of host time, and an eager prefill
-# of that size is host-bound (that prefill: 29-48 ms wall for its 21.6 ms of GPU work), so up to that size the one
-# launch stays; larger prefills (GPU-bound: DeepSeek-V2-Lite's 64 x 512-token prefill took 940-954 ms) sort.
-# CUDA-graph captures keep the kernel too (the sort inside a capture has not run on a GPU). Written without GPU
-# time: neither the gain nor the crossover is measured yet.
-ALIGN_KERNEL_MAX_PAIRS = 4096
+# of `_moe_align_kernel`, one program that walks every pair twice, so its time grows with the pairs. Measured on an
+# H200 (session 29, 64 experts, top-6, `benchmarks/results/s29/call1/moe_align_micro.json`): the kernel takes
+# 0.13 ms at 3,072 pairs, 0.26 at 6,144, 0.51 at 12,288 and 8.5 at 196,608; the sort 0.44-0.68 ms at every size
+# (launch-bound). Crossover near 11,000 pairs (about 1,800 tokens). DeepSeek-V2-Lite's 64 x 512-token prefill
+# (196,608 pairs a layer) took 471-475 ms with the sort against 939 with the kernel. CUDA-graph captures keep the
+# kernel (decode batches are far below the crossover).
+ALIGN_KERNEL_MAX_PAIRS = 10240
 
 
 def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:

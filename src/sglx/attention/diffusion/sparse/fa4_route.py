@@ -6,7 +6,9 @@ sequence tail only in the first block it processes, which is the last one listed
 ascending when the last key block is partial. Blocks with padding keys (`k_lengths`) go to the mask lists
 with a mask_mod that reads a per-key validity vector (an aux tensor); measured on H100 against float64 (Wan
 21x30x52 grid: relative error 2.3e-3, 3.46 ms vs 7.49 ms for the Triton kernel). PADDED_ENV=0 turns it off.
-Imported only when used; Hopper (SM90) FA4 tiles are 128x128 for head dim 64/128.
+Imported only when used. FA4's tiles are 128x128 for head dim 64/128; on Hopper (SM90) flash-attn-4 4.0.0b36 and
+later also fit its tiles to smaller sparse blocks (`_fit_sm90_fwd_tile_to_block_sparsity`: query blocks of 64,
+key blocks of 16-128), which VSA's 64-token cubes and VMoBA's 64-token blocks use.
 """
 
 from __future__ import annotations
@@ -43,13 +45,38 @@ def fa4_supports(q: torch.Tensor, layout: BlockSparseLayout) -> str | None:
         return "FA4 block-sparse needs SM90 or SM10x"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
         return "FA4 route takes fp16/bf16 at head dim 64/128"
-    if layout.q_block != FA4_BLOCK or layout.k_block != FA4_BLOCK:
-        return f"FA4 route takes {FA4_BLOCK}x{FA4_BLOCK} blocks; layout has {layout.q_block}x{layout.k_block}"
+    why_not = _block_shape_refused(torch.cuda.get_device_capability(q.device)[0], layout)
+    if why_not is not None:
+        return why_not
     if layout.k_lengths is not None and os.environ.get(PADDED_ENV) == "0":
         return f"layout has padded key blocks and {PADDED_ENV}=0"
     if fa4_modules() is None:
         return "flash-attn-4 (flash_attn.cute) is not installed or fails to import"
     return None
+
+
+def _block_shape_refused(major: int, layout: BlockSparseLayout) -> str | None:
+    """None when FA4 tiles this layout's blocks: 128x128 everywhere; on SM90, with a flash-attn-4 that fits its
+    tiles to the sparse blocks, query blocks of a multiple of 64 and key blocks of 16-128 in steps of 16."""
+    qb, kb = layout.q_block, layout.k_block
+    if qb == kb == FA4_BLOCK:
+        return None
+    if major == 9 and qb % 64 == 0 and kb % 16 == 0 and 16 <= kb <= FA4_BLOCK:
+        if fits_small_blocks():
+            return None
+        return (f"{qb}x{kb} blocks need flash-attn-4 >= 4.0.0b36 (fits SM90 tiles to sparse blocks); this one "
+                f"takes {FA4_BLOCK}x{FA4_BLOCK} only")
+    return f"FA4 route takes {FA4_BLOCK}x{FA4_BLOCK} blocks here; layout has {qb}x{kb}"
+
+
+@functools.lru_cache(maxsize=1)
+def fits_small_blocks() -> bool:
+    """Whether the installed flash-attn-4 shrinks its SM90 forward tiles to fit smaller sparse blocks."""
+    try:
+        interface = importlib.import_module("flash_attn.cute.interface")
+    except (ImportError, OSError, RuntimeError, AttributeError):
+        return False
+    return hasattr(interface, "_fit_sm90_fwd_tile_to_block_sparsity")
 
 
 _TENSORS: dict[int, tuple[BlockSparseLayout, Any, Any]] = {}  # id(layout) -> (layout, FA4 tensors, aux)

@@ -6,6 +6,11 @@ and each tile is padded to a multiple of the kernel block; edge tiles of a grid 
 tile are smaller and padded more. Padding slots are never attended: they sit at the end of their blocks and
 `k_lengths` cuts them off. Joint text tokens keep their place (before or after the video) in blocks of their
 own. One `TileOrder` per (grid, tile, text, block) is built once and cached.
+
+`pack_partial` (VSA's cubes) pads nothing inside the video: tiles of a whole number of blocks come first, in tile
+order, and the tokens of the edge tiles follow, concatenated in tile order, so every video block but the last is
+full (neighbouring edge tiles share a block). A grid that does not divide by the tile then costs no padded work,
+and without joint text the order is a pure permutation.
 """
 
 from __future__ import annotations
@@ -67,17 +72,33 @@ def _tile_ids_and_local(grid: Grid, tile: Grid) -> tuple[torch.Tensor, torch.Ten
     return tile_id, local, sizes
 
 
+def _tile_starts(sizes: torch.Tensor, block: int, pack_partial: bool, text_after: bool
+                 ) -> tuple[torch.Tensor, int]:
+    """(first slot of every tile relative to the video's start, video slots). Padded: every tile rounded up to
+    whole blocks. Packed: whole-block tiles first, then the other tiles back to back, the end rounded up to a
+    block only when text follows."""
+    if not pack_partial:
+        padded = (sizes + block - 1) // block * block
+        return torch.cumsum(padded, 0) - padded, int(padded.sum())
+    whole = sizes % block == 0
+    starts = torch.empty_like(sizes)
+    for group, base in ((whole, 0), (~whole, int(sizes[whole].sum()))):
+        part = sizes[group]
+        starts[group] = base + torch.cumsum(part, 0) - part
+    total = int(sizes.sum())
+    return starts, cdiv(total, block) * block if text_after else total
+
+
 @functools.lru_cache(maxsize=64)
 def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool = True,
-               block: int = 128) -> TileOrder:
+               block: int = 128, pack_partial: bool = False) -> TileOrder:
     """The tile-ordered sequence for a (T, H, W) latent grid plus `text_tokens` before (prefix) or after it."""
     tile = tuple(min(t, g) for t, g in zip(tile, grid))  # type: ignore[assignment]
     tile_id, local, sizes = _tile_ids_and_local(grid, tile)
-    padded = (sizes + block - 1) // block * block
     text_slots = cdiv(text_tokens, block) * block
     video_base = text_slots if text_prefix else 0
-    tile_start = video_base + torch.cumsum(padded, 0) - padded
-    video_slots = int(padded.sum())
+    starts, video_slots = _tile_starts(sizes, block, pack_partial, text_tokens > 0 and not text_prefix)
+    tile_start = video_base + starts
     slots = video_slots + text_slots if text_tokens else video_slots
     text_base = 0 if text_prefix else video_slots
     image_start = text_tokens if text_prefix else 0
@@ -95,10 +116,9 @@ def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool =
     q_map[scatter] = torch.arange(seq, dtype=torch.int32)
 
     nb = cdiv(slots, block)
-    block_tile = torch.full((nb,), -1, dtype=torch.int64)
-    video_blocks = padded // block
-    tile_of_block = torch.repeat_interleave(torch.arange(sizes.numel()), video_blocks)
-    block_tile[video_base // block: video_base // block + tile_of_block.numel()] = tile_of_block
+    slot_tile = torch.full((nb * block,), -1, dtype=torch.int64)  # every video block starts with a real token
+    slot_tile[scatter[image_start:image_start + tile_id.numel()]] = tile_id
+    block_tile = slot_tile[::block].clone()  # the tile of each video block's first token, -1 for text blocks
     lengths = torch.nn.functional.pad(real, (0, nb * block - slots)).view(nb, block).sum(1, dtype=torch.int32)
     full = bool((lengths[:-1] == block).all()) and slots == seq
     identity = slots == seq and bool(torch.equal(scatter, torch.arange(seq)))
