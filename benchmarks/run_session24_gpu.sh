@@ -7,7 +7,8 @@
 #            SGLX_FOLD_NORMS, SGLX_GEMV_PDL; session 27: SGLX_ROW_SCALED_NORMS with BS=64) at each of $AB_VALUES
 #            (default "1 0") in turn, fresh processes, $REPS rounds
 #   abattn   one-batch at batch $BS, $MODEL (default llama-3.1-8b), each attention choice of $AB_ATTN (default "auto triton"; auto
-#            leaves --attention-backend unset, so the engine's measured pick runs) in turn, fresh processes, $REPS
+#            leaves --attention-backend unset, so the engine's measured pick runs; "P+D" is a prefill+decode pair) in turn,
+#            fresh processes, $REPS
 #            rounds (session 28: the sm90-h200 record's pick with FlashInfer carried against triton)
 #   abtree   one-batch at batch 1, Llama-3.1-8B and DeepSeek-V2-Lite, this tree against .old_src/src, alternated
 #   profile  where a Llama-3.1-8B batch-1 decode step goes (profile_decode_step.py)
@@ -25,6 +26,8 @@ one_batch_bs1() {
   echo "    $model from $src"
   local attn="--attention-backend ${ATTN:-triton}"
   [ "${ATTN:-triton}" = auto ] && attn=""
+  case ${ATTN:-triton} in *+*)  # prefill+decode: a hybrid pair
+    attn="--prefill-attention-backend ${ATTN%%+*} --decode-attention-backend ${ATTN#*+}" ;; esac
   PYTHONPATH=$src:$SITE timeout 200 python3 -m sglx bench one-batch --model-path "$model" \
     --load-format dummy --dtype bfloat16 $attn --batch-size "${BS:-1}" --input-len 512 \
     --output-len 32 --no-prefill-floor --max-total-tokens 65536 \

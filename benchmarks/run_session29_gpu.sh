@@ -6,6 +6,8 @@
 #            triton-decode MLA pair, moe_align_by_sort against the kernel, fused MoE)
 #   align    moe_align: the one-program kernel against moe_align_by_sort at 1k-256k pairs (graph-free timing), then
 #            DeepSeek-V2-Lite one-batch at batch 64 with the shipped threshold and with the kernel everywhere
+#            ($ALIGN_REPS rounds, default 2; 0 for the microbenchmark alone)
+#   vsaprof  VSA's whole call at 18x48x80 with tokens kept in cube order, profiled (top GPU kernels, host ops)
 #   sparse_tests  block-sparse GPU tests: Triton kernel and FA4 route against float64, sparse backends
 #   vsa      bench_sparse_backends.py --only vsa on 18x48x80 and 21x30x52 ($ROUTES, default "default")
 #   sparse   bench_sparse_backends.py (VSA, VMoBA, SVG2) on 21x30x52 for each of $ROUTES
@@ -32,17 +34,21 @@ for stage in "$@"; do
 import json, os, torch, triton.testing as tt
 from sglx.llm.kernels import fused_moe as fm
 rows = []
-for tokens in (128, 256, 512, 683, 1024, 2048, 4096, 16384, 32768):
-    ids = torch.stack([torch.randperm(64, device="cuda")[:6] for _ in range(tokens)]).to(torch.int32)
-    fm.ALIGN_KERNEL_MAX_PAIRS = 1 << 40
-    k = tt.do_bench(lambda: fm.moe_align(ids, 64, 64), warmup=20, rep=100)
-    s = tt.do_bench(lambda: fm.moe_align_by_sort(ids, 64, 64), warmup=20, rep=100)
-    rows.append({"tokens": tokens, "pairs": tokens * 6, "kernel_ms": round(k, 4), "sort_ms": round(s, 4)})
-    print(rows[-1], flush=True)
+fm.ALIGN_KERNEL_MAX_PAIRS = 1 << 40
+for experts, shared in ((64, 0), (66, 2)):  # top-6 of 64; DeepSeek-V2-Lite: top-6 of 64 routed + 2 shared
+    for tokens in (128, 256, 512, 683, 1024, 1536, 2048, 4096, 16384, 32768):
+        routed = torch.rand(tokens, 64, device="cuda").topk(6, dim=1).indices
+        ids = torch.cat([routed, torch.arange(64, experts, device="cuda").expand(tokens, shared)], 1).to(torch.int32)
+        block_m = fm.moe_block_m(ids.numel())
+        k = tt.do_bench(lambda: fm.moe_align(ids, experts, block_m), warmup=20, rep=100)
+        s = tt.do_bench(lambda: fm.moe_align_by_sort(ids, experts, block_m), warmup=20, rep=100)
+        rows.append({"experts": experts, "tokens": tokens, "pairs": ids.numel(), "block_m": block_m,
+                     "kernel_ms": round(k, 4), "sort_ms": round(s, 4)})
+        print(rows[-1], flush=True)
 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
           open(os.environ["OUT"] + "/moe_align_micro.json", "w"), indent=1)
 PY
-      for rep in 1 2; do
+      for rep in $(seq 1 ${ALIGN_REPS:-2}); do
         for mode in shipped kernel; do
           echo "--- round $rep $mode $(date +%T)"
           MAXP=4096; [ $mode = kernel ] && MAXP=1099511627776
@@ -70,6 +76,9 @@ main()" bench one-batch --model-path deepseek-v2-lite --load-format dummy --dtyp
             --out "$OUT/vsa_${grid}_${route}.json" 2>&1 | tail -9
         done
       done ;;
+    vsaprof)
+      timeout 200 python3 benchmarks/bench_sparse_backends.py --only vsa --grid 18x48x80 --profile 10 \
+        --out "$OUT/vsa_18x48x80_profile.json" 2>&1 | tail -12 ;;
     sparse)
       for route in ${ROUTES:-default}; do
         r=""; [ "$route" != default ] && r="--route $route"

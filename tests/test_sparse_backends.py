@@ -630,6 +630,12 @@ def test_backends_through_the_triton_kernel_under_the_interpreter():
     run_interpreted("sparse_backend_cases.py")
 
 
+def test_vsa_topk_kernel_under_the_interpreter():
+    from triton_interpreted.launch import run_interpreted
+
+    run_interpreted("topk_rows_cases.py")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("name", ["video_sparse_attn", "vmoba_attn", "sparse_video_gen_2_attn"])

@@ -39,19 +39,21 @@ def kernel_serves(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
-def block_means_kernel(x: torch.Tensor, lengths: torch.Tensor, block: int) -> torch.Tensor:
+def block_means_kernel(x: torch.Tensor, lengths: torch.Tensor, block: int, block_c: int | None = None,
+                       num_warps: int = 4) -> torch.Tensor:
     """x [B, slots, H, D] in tile order, lengths int32 [num_blocks] (real tokens at the start of each block) ->
-    float32 [B, H, num_blocks, D]: each block's mean over its real tokens (0 for a block without any)."""
+    float32 [B, H, num_blocks, D]: each block's mean over its real tokens (0 for a block without any).
+    `block_c` (columns a program sums, default min(256, H * D)) and `num_warps`: benchmarks/bench_block_means.py."""
     b, slots, h, d = x.shape
     nb = lengths.shape[0]
     width = h * d
     out = torch.empty(b, nb, h, d, dtype=torch.float32, device=x.device)
     if b == 0 or nb == 0:
         return out.permute(0, 2, 1, 3)
-    block_c = min(256, triton.next_power_of_2(width))
+    block_c = block_c or min(256, triton.next_power_of_2(width))
     grid = (nb, triton.cdiv(width, block_c), b)
     _block_means[grid](x, lengths, out, slots, width, block, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                       BLOCK=triton.next_power_of_2(block), BLOCK_C=block_c, num_warps=4)
+                       BLOCK=triton.next_power_of_2(block), BLOCK_C=block_c, num_warps=num_warps)
     return out.permute(0, 2, 1, 3)
 
 

@@ -241,12 +241,12 @@ def moe_block_m(pairs: int, interpret: bool = False) -> int:
 
 # Above this many (token, choice) pairs moe_align sorts with torch (a stable sort and a few small launches) instead
 # of `_moe_align_kernel`, one program that walks every pair twice, so its time grows with the pairs. Measured on an
-# H200 (session 29, 64 experts, top-6, `benchmarks/results/s29/call1/moe_align_micro.json`): the kernel takes
-# 0.13 ms at 3,072 pairs, 0.26 at 6,144, 0.51 at 12,288 and 8.5 at 196,608; the sort 0.44-0.68 ms at every size
-# (launch-bound). Crossover near 11,000 pairs (about 1,800 tokens). DeepSeek-V2-Lite's 64 x 512-token prefill
-# (196,608 pairs a layer) took 471-475 ms with the sort against 939 with the kernel. CUDA-graph captures keep the
-# kernel (decode batches are far below the crossover).
-ALIGN_KERNEL_MAX_PAIRS = 10240
+# H200 (session 29, `benchmarks/results/s29/call4/moe_align_micro.json`), DeepSeek-V2-Lite's routing (66 experts,
+# 8 pairs a token): the kernel 0.27 ms at 4,096 pairs, 0.54 at 8,192, 0.80 at 12,288, 17.8 at 262,144; the sort
+# 0.73-0.91 ms at every size (launch-bound). With 64 experts and 6 pairs the kernel is faster per pair and the
+# crossover sits at 12,000-16,000 pairs. DeepSeek-V2-Lite's 64 x 512-token prefill took 471-475 ms with the sort
+# against 939 with the kernel (s29/call1). CUDA-graph captures keep the kernel (decode batches are far below this).
+ALIGN_KERNEL_MAX_PAIRS = 12288
 
 
 def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:

@@ -25,6 +25,7 @@ Calls without step metadata (plain module calls, `sglx doctor --check`) and cros
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
 from sglx.attention.diffusion.sparse.tile_order import TileOrder, step_tile_order, tile_order
 from sglx.attention.diffusion.sparse.tiled import block_means, from_order, on_device, to_order
+from sglx.attention.kernels.topk_rows import kernel_serves as topk_kernel_serves
+from sglx.attention.kernels.topk_rows import topk_ascending
 from sglx.errors import ConfigError
 
 NAME = "video_sparse_attn"
@@ -73,19 +76,29 @@ def cube_order(meta: DiTAttnMetadata) -> TileOrder:
                       pack_partial=True)
 
 
+@functools.lru_cache(maxsize=64)
+def _block_kinds(order: TileOrder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bool [nb]: video block, int64 ids of the video blocks, int64 ids of the text blocks), on the CPU and cached
+    per order, so building a layout never waits on the GPU for them."""
+    video = order.block_tile >= 0
+    return video, torch.nonzero(video).squeeze(1), torch.nonzero(~video).squeeze(1)
+
+
 def vsa_layout(scores: torch.Tensor, order: TileOrder, sparsity: float) -> BlockSparseLayout:
     """Key-block lists from cube scores [B, H, nb, nb]: every cube row lists its top-k cubes and the text blocks
     (ascending), every text row lists all blocks. Built directly from the top-k indices: no [nb x nb] sort."""
     device = scores.device
-    text = on_device(order.block_tile, device) < 0
-    cubes = torch.nonzero(~text).squeeze(1)
-    text_ids = torch.nonzero(text).squeeze(1)
+    video, cubes, text_ids = (on_device(t, device) for t in _block_kinds(order))
     topk = compute_topk(sparsity, int(cubes.numel()))
     b, h, nb, _ = scores.shape
-    # unsorted top-k, then one int32 sort of the picked block ids (ascending lists): on the H100 at 18x48x80 the
-    # sorted top-k and an int64 sort took 0.30 + 0.55 ms of a 13 ms call (session 12 profile)
-    picked = cubes.to(torch.int32)[scores.index_select(-1, cubes).topk(topk, dim=-1, sorted=False).indices]
-    rows = torch.cat([picked, text_ids.to(torch.int32).expand(b, h, nb, -1)], -1).sort(-1).values
+    if topk_kernel_serves(scores):  # one Triton program a row: the picked ids come out ascending
+        picked = topk_ascending(scores, topk, video)
+    else:  # unsorted top-k, then one int32 sort of the picked block ids
+        picked = cubes.to(torch.int32)[scores.index_select(-1, cubes).topk(topk, dim=-1, sorted=False).indices]
+        picked = picked.sort(-1).values
+    rows = picked
+    if text_ids.numel():
+        rows = torch.cat([picked, text_ids.to(torch.int32).expand(b, h, nb, -1)], -1).sort(-1).values
     counts = torch.full((b, h, nb), rows.shape[-1], dtype=torch.int32, device=device)
     if text_ids.numel():  # text rows attend every block
         rows = F.pad(rows, (0, nb - rows.shape[-1]), value=-1)

@@ -1,0 +1,64 @@
+"""Top-k columns of every row of a score matrix, listed in ascending column order, as one Triton kernel: VSA's pick.
+
+Why: VSA keeps, for every (head, query block), the k best of ~1,000 key blocks by coarse score, and the block-sparse
+kernel wants each list ascending. torch.topk (a radix select of four passes) then a sort of the picked ids took 0.42
++ 0.25 ms of a 9.9 ms VSA call at 18x48x80 on an H200 (session 29 profile). Here one program per row finds the
+k-th largest score by a bitwise search over an order-preserving integer image of the float32 scores (32 counting
+passes over the row, in registers), keeps the scores above it and the first ties at it, and writes the kept column
+ids in ascending order through a prefix sum: no sort, no [rows x k] value tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglx.attention.kernels.common import interpreted
+
+MAX_COLUMNS = 8192  # one row in registers (BLOCK = the column count rounded up to a power of two)
+
+
+@triton.jit
+def _topk_ascending(S, Allowed, Out, n_cols, k, stride_s, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < n_cols
+    allowed = tl.load(Allowed + offs, mask=inside, other=0) != 0
+    x = tl.load(S + row * stride_s + offs, mask=inside, other=0.0)
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+    # order-preserving image in [0, 2^32): negatives flip every bit, non-negatives set the sign bit
+    key = tl.where(bits < 0, -bits - 1, bits + 2147483648)
+    key = tl.where(allowed, key, -1)  # never picked
+    threshold = tl.zeros((), dtype=tl.int64)
+    for i in range(32):
+        candidate = threshold | (tl.full((), 1, tl.int64) << (31 - i))
+        threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), 0) >= k, candidate, threshold)
+    above = key > threshold
+    ties = key == threshold
+    need = k - tl.sum(above.to(tl.int32), 0)
+    keep = above | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= need))
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(Out + row * stride_o + slot, offs.to(tl.int32), mask=keep)
+
+
+def kernel_serves(scores: torch.Tensor) -> bool:
+    """float32 [..., N] on CUDA (or under the interpreter), N small enough for one row in registers."""
+    return ((scores.is_cuda or interpreted()) and scores.dtype == torch.float32 and scores.stride(-1) == 1
+            and 0 < scores.shape[-1] <= MAX_COLUMNS)
+
+
+def topk_ascending(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:
+    """scores float32 [..., N], allowed bool [N] (columns that may be picked, at least k of them) -> int32
+    [..., k]: the columns of the k largest allowed scores of every row, ascending. Ties at the k-th score keep
+    the lowest columns."""
+    n = scores.shape[-1]
+    rows = scores.reshape(-1, n)
+    out = torch.empty(rows.shape[0], k, dtype=torch.int32, device=scores.device)
+    if rows.shape[0]:
+        _topk_ascending[(rows.shape[0],)](rows, allowed.to(torch.int8).contiguous(), out, n, k, rows.stride(0),
+                                          out.stride(0), BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out.view(*scores.shape[:-1], k)
+
+
+__all__ = ["MAX_COLUMNS", "kernel_serves", "topk_ascending"]
