@@ -252,6 +252,18 @@ def step_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dic
         def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
             return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
 
+        def step_order(self, meta, hidden):  # the inner backend's order for the whole step (STA, VSA), if any
+            order = getattr(self.inner, "step_order", None)
+            return None if order is None else order(meta, hidden)
+
+    class PerLayer(Switch):  # the same backend reordering tokens in every layer (no order kept for the step)
+        def __init__(self, inner):
+            super().__init__({})
+            self.inner = inner
+
+        def step_order(self, meta, hidden):
+            return None
+
     cfg = StepConfig(tiny=True, frames=5, height=64, width=64, text_tokens=8) if tiny else StepConfig()
     model, inputs = _build(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     layers, heads = cfg.model_config()["num_layers"], cfg.model_config()["num_attention_heads"]
@@ -326,6 +338,18 @@ def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) 
         def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
             return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
 
+        def step_order(self, meta, hidden):  # the inner backend's order for the whole step (STA, VSA), if any
+            order = getattr(self.inner, "step_order", None)
+            return None if order is None else order(meta, hidden)
+
+    class PerLayer(Switch):  # the same backend reordering tokens in every layer (no order kept for the step)
+        def __init__(self, inner):
+            super().__init__({})
+            self.inner = inner
+
+        def step_order(self, meta, hidden):
+            return None
+
     cfg = StepConfig(tiny=True, frames=5, height=64, width=256, text_tokens=8) if tiny else StepConfig(
         frames=69, height=768, width=1280)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -383,6 +407,18 @@ def sparse_step_case(device: torch.device, tiny: bool = False) -> dict:
         def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
             return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
 
+        def step_order(self, meta, hidden):  # the inner backend's order for the whole step (STA, VSA), if any
+            order = getattr(self.inner, "step_order", None)
+            return None if order is None else order(meta, hidden)
+
+    class PerLayer(Switch):  # the same backend reordering tokens in every layer (no order kept for the step)
+        def __init__(self, inner):
+            super().__init__({})
+            self.inner = inner
+
+        def step_order(self, meta, hidden):
+            return None
+
     cfg = StepConfig(tiny=True, frames=5, height=64, width=64, text_tokens=8) if tiny else StepConfig()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, inputs = _build(cfg, device, dtype)
@@ -405,6 +441,8 @@ def sparse_step_case(device: torch.device, tiny: bool = False) -> dict:
                                       (3, 3, 3))
     inners = [("sglx sliding_tile_attn 3x3x3", SlidingTileAttentionBackend({"mask_strategy_file_path": str(strategy)})),
               ("sglx video_sparse_attn sparsity 0.875", VideoSparseAttentionBackend({"sparsity": 0.875})),
+              ("sglx video_sparse_attn sparsity 0.875, reordered in every layer",
+               PerLayer(VideoSparseAttentionBackend({"sparsity": 0.875}))),
               ("sglx vmoba_attn default", VMoBABackend({})),
               ("sglx sparse_video_gen_2_attn default", SparseVideoGen2Backend({}))]
     if fa4_modules() is not None:

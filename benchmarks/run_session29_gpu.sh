@@ -7,6 +7,9 @@
 #   align    moe_align: the one-program kernel against moe_align_by_sort at 1k-256k pairs (graph-free timing), then
 #            DeepSeek-V2-Lite one-batch at batch 64 with the shipped threshold and with the kernel everywhere
 #            ($ALIGN_REPS rounds, default 2; 0 for the microbenchmark alone)
+#   diffusers  diffusers (carried .whl/diffusers) into /tmp/site
+#   planning VSA's planning pieces: the block-means kernel over launch shapes, torch.topk + sort against the top-k kernel
+#   step     one dummy Wan2.1-1.3B 480p step with each sparse backend next to diffusers (bench_sparse_video.py)
 #   vsaprof  VSA's whole call at 18x48x80 with tokens kept in cube order, profiled (top GPU kernels, host ops)
 #   sparse_tests  block-sparse GPU tests: Triton kernel and FA4 route against float64, sparse backends
 #   vsa      bench_sparse_backends.py --only vsa on 18x48x80 and 21x30x52 ($ROUTES, default "default")
@@ -76,6 +79,19 @@ main()" bench one-batch --model-path deepseek-v2-lite --load-format dummy --dtyp
             --out "$OUT/vsa_${grid}_${route}.json" 2>&1 | tail -9
         done
       done ;;
+    diffusers)
+      [ -d $SITE/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE \
+        .whl/diffusers/*.whl > "$OUT/pip_diffusers.log" 2>&1; echo "diffusers rc=$?" ;;
+    planning)
+      timeout 200 python3 benchmarks/bench_vsa_planning.py --out "$OUT/vsa_planning.json" 2>&1 | tail -30 ;;
+    step)
+      timeout ${STEP_S:-360} python3 benchmarks/bench_sparse_video.py --out "$OUT/sparse_step.json" --no-sweep --no-step \
+        --sparse-step --cases none > "$OUT/sparse_step.txt" 2>&1; echo "step rc=$?"
+      python3 -c "
+import json
+r = json.load(open('$OUT/sparse_step.json')).get('sparse_step', {})
+for k, v in r.get('rows', {}).items(): print(k, v, r.get('over_diffusers', {}).get(k), r.get('density', {}).get(k))
+" ;;
     vsaprof)
       timeout 200 python3 benchmarks/bench_sparse_backends.py --only vsa --grid 18x48x80 --profile 10 \
         --out "$OUT/vsa_18x48x80_profile.json" 2>&1 | tail -12 ;;

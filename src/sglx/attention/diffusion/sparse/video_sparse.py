@@ -120,9 +120,9 @@ class VSAPlan:
 
 def plan_ordered(qs: torch.Tensor, ks: torch.Tensor, order: TileOrder, sparsity: float, scale: float) -> VSAPlan:
     """Pool q and k (already in cube order [B, slots, H, D]) per cube; pick the cubes every query cube attends."""
-    qc = block_means(qs, order)
+    qc = block_means(qs, order) * scale  # scaled before the product: [nb, D] multiplies, not [nb, nb]
     kc = block_means(ks, order, heads=qs.shape[2])
-    scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc) * scale
+    scores = torch.einsum("bhnd,bhmd->bhnm", qc, kc)
     return VSAPlan(order, vsa_layout(scores, order, sparsity), scores)
 
 
