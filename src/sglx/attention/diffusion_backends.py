@@ -114,8 +114,9 @@ register(BackendSpec(
     features=DiffusionFeatures(
         sparse=True, needs_grid=True,
         notes="sglx's own VSA, no vsa package needed: the Triton block-sparse kernel on CUDA (fp16/bf16, head dim "
-              "64/128), the plain-PyTorch masked reference elsewhere. Any grid (edge cubes padded, padding never "
-              "attended or pooled). Each query cube keeps ceil((1 - sparsity) x cubes) key cubes (at least 1); "
+              "64/128), the plain-PyTorch masked reference elsewhere. Any grid (the smaller edge cubes of a grid "
+              "that does not divide by 4 are packed into full 64-token blocks: no padded work). Each query block "
+              "keeps ceil((1 - sparsity) x blocks) key blocks (at least 1); "
               "sparsity 0.0 is dense. Output is the fine branch: the coarse branch is gated by a learned "
               "to_gate_compress that stock checkpoints lack (FastVideo zero-initialises it)."),
     factory="sglx.attention.diffusion.sparse.video_sparse:VideoSparseAttentionBackend",

@@ -70,9 +70,9 @@ def sta_kernel(args: list[torch.Tensor], windows: list[list[int]], canvas: str) 
 
 
 def vsa_kernel(args: list[torch.Tensor], order: Any, sparsity: float) -> tuple[Callable[[], torch.Tensor], str]:
-    """(call, what runs) of fastvideo_kernel's VSA on q, k, v [B, H, slots, D] in sglx's cube order (4x4x4 cubes,
-    padding at each cube's end). Upstream pools over zero padding, so padding slots are zeroed here; a zero
-    compress gate leaves its fine branch alone (sglx's output)."""
+    """(call, what runs) of fastvideo_kernel's VSA on q, k, v [B, H, slots, D] in sglx's cube order (64-token
+    blocks: whole 4x4x4 cubes, then the edge cubes packed; any padding at a block's end). Upstream pools over zero
+    padding, so padding slots are zeroed here; a zero compress gate leaves its fine branch alone (sglx's output)."""
     from fastvideo_kernel import video_sparse_attn  # type: ignore[import-not-found]
 
     from sglx.attention.diffusion.sparse.tiled import real_slots
