@@ -252,18 +252,6 @@ def step_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) -> dic
         def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
             return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
 
-        def step_order(self, meta, hidden):  # the inner backend's order for the whole step (STA, VSA), if any
-            order = getattr(self.inner, "step_order", None)
-            return None if order is None else order(meta, hidden)
-
-    class PerLayer(Switch):  # the same backend reordering tokens in every layer (no order kept for the step)
-        def __init__(self, inner):
-            super().__init__({})
-            self.inner = inner
-
-        def step_order(self, meta, hidden):
-            return None
-
     cfg = StepConfig(tiny=True, frames=5, height=64, width=64, text_tokens=8) if tiny else StepConfig()
     model, inputs = _build(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     layers, heads = cfg.model_config()["num_layers"], cfg.model_config()["num_attention_heads"]
@@ -337,18 +325,6 @@ def step_order_case(device: torch.device, window=(3, 3, 3), tiny: bool = False) 
 
         def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
             return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
-
-        def step_order(self, meta, hidden):  # the inner backend's order for the whole step (STA, VSA), if any
-            order = getattr(self.inner, "step_order", None)
-            return None if order is None else order(meta, hidden)
-
-    class PerLayer(Switch):  # the same backend reordering tokens in every layer (no order kept for the step)
-        def __init__(self, inner):
-            super().__init__({})
-            self.inner = inner
-
-        def step_order(self, meta, hidden):
-            return None
 
     cfg = StepConfig(tiny=True, frames=5, height=64, width=256, text_tokens=8) if tiny else StepConfig(
         frames=69, height=768, width=1280)

@@ -92,3 +92,37 @@ def make_tiny_flux(root: Path, *, seed: int = 0, guidance_embeds: bool = True, h
                         tokenizer_2=t5_tokenizer, transformer=transformer)
     pipe.save_pretrained(str(root))
     return root
+
+
+def step_order_models(backend):  # type: ignore[no-untyped-def]
+    """(kept, per_layer, dense, inputs) for step-order tests: three copies of one random 3-layer Wan transformer
+    (latent grid 3x4x16), `backend` installed on `kept` (its step order hooks included), the same backend behind a
+    wrapper without `step_order` on `per_layer` (it reorders in every layer), `dense` untouched."""
+    import copy
+
+    from diffusers import WanTransformer3DModel
+
+    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from sglx.diffusion.processors.wan import install
+
+    class PerLayer(DiffusionAttentionBackend):
+        def __init__(self, inner):  # type: ignore[no-untyped-def]
+            super().__init__({})
+            self.inner = inner
+
+        def forward_dense(self, q, k, v, *, scale=None):  # type: ignore[no-untyped-def]
+            return self.inner.forward_dense(q, k, v, scale=scale)
+
+        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):  # type: ignore[no-untyped-def]
+            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
+
+    torch.manual_seed(0)
+    dense = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=16, ffn_dim=64, num_layers=3,
+                                  rope_max_seq_len=64).eval()
+    kept, per_layer = copy.deepcopy(dense), copy.deepcopy(dense)
+    install(kept, backend)
+    install(per_layer, PerLayer(backend))
+    inputs = {"hidden_states": torch.randn(1, 4, 3, 8, 32), "timestep": torch.tensor([500.0]),
+              "encoder_hidden_states": torch.randn(1, 8, 32), "return_dict": False}
+    return kept, per_layer, dense, inputs

@@ -247,39 +247,15 @@ def test_wan_keeps_tile_order_across_blocks_and_matches_the_per_layer_reorder(tm
     """sglx.diffusion.step_order: the hidden states and rotary tables move into tile order once before the first
     block and back after the last; every STA layer then skips its gathers. Same output as the per-layer path."""
     pytest.importorskip("diffusers")
-    import copy
-
-    from diffusers import WanTransformer3DModel
-
-    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from diffusion_test_utils import step_order_models
     from sglx.attention.diffusion.metadata import dit_step
     from sglx.attention.diffusion.sparse import sliding_tile
-    from sglx.diffusion.processors.wan import install
 
-    class PerLayer(DiffusionAttentionBackend):  # the same STA without step_order: reorders in every layer
-        def __init__(self, inner):
-            super().__init__({})
-            self.inner = inner
-
-        def forward_dense(self, q, k, v, *, scale=None):
-            return self.inner.forward_dense(q, k, v, scale=scale)
-
-        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
-            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
-
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
-                                  out_channels=4, text_dim=32, freq_dim=16, ffn_dim=64, num_layers=3,
-                                  rope_max_seq_len=64).eval()
     path = write_uniform_strategy(tmp_path / "sta.json", 3, 2, (1, 1, 1))
     sta = SlidingTileAttentionBackend({"mask_strategy_file_path": str(path), "skip_time_steps": 0}, tile=(1, 2, 8),
                                       block=16)  # 16-token tiles on 16-token blocks: a pure permutation
-    kept, per_layer = copy.deepcopy(model), copy.deepcopy(model)
-    install(kept, sta)
-    install(per_layer, PerLayer(sta))
+    kept, per_layer, model, inputs = step_order_models(sta)
     meta = DiTAttnMetadata(grid=(3, 4, 16), num_heads=2, head_dim=16, num_layers=3)
-    inputs = {"hidden_states": torch.randn(1, 4, 3, 8, 32), "timestep": torch.tensor([500.0]),
-              "encoder_hidden_states": torch.randn(1, 8, 32), "return_dict": False}
     seen = []
     original = sliding_tile.run_block_sparse
 

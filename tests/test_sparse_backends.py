@@ -786,25 +786,9 @@ def test_wan_keeps_cube_order_across_blocks_and_matches_the_per_layer_reorder():
     """VSA's packed cube order is a pure permutation: a Wan DiT keeps its tokens in it for the whole forward
     (sglx.diffusion.step_order) and every VSA layer skips its gathers. Same output as reordering in every layer."""
     pytest.importorskip("diffusers")
-    import copy
-
-    from diffusers import WanTransformer3DModel
-
-    from sglx.attention.diffusion.base import DiffusionAttentionBackend
+    from diffusion_test_utils import step_order_models
     from sglx.attention.diffusion.metadata import dit_step
     from sglx.attention.diffusion.sparse.tile_order import step_tile_order
-    from sglx.diffusion.processors.wan import install
-
-    class PerLayer(DiffusionAttentionBackend):  # the same VSA without step_order: reorders in every layer
-        def __init__(self, inner):
-            super().__init__({})
-            self.inner = inner
-
-        def forward_dense(self, q, k, v, *, scale=None):
-            return self.inner.forward_dense(q, k, v, scale=scale)
-
-        def forward(self, q, k, v, *, scale=None, meta=None, layer=0):
-            return self.inner.forward(q, k, v, scale=scale, meta=meta, layer=layer)
 
     class Spied(VideoSparseAttentionBackend):
         seen: list = []
@@ -813,17 +797,9 @@ def test_wan_keeps_cube_order_across_blocks_and_matches_the_per_layer_reorder():
             self.seen.append(step_tile_order() is not None)
             return super().run(q, k, v, layout, scale)
 
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
-                                  out_channels=4, text_dim=32, freq_dim=16, ffn_dim=64, num_layers=3,
-                                  rope_max_seq_len=64).eval()
     vsa = Spied({"sparsity": 0.5})  # grid 3x4x16: four 3x4x4 edge cubes packed into three blocks, two kept
-    kept, per_layer = copy.deepcopy(model), copy.deepcopy(model)
-    install(kept, vsa)
-    install(per_layer, PerLayer(vsa))
+    kept, per_layer, model, inputs = step_order_models(vsa)
     meta = DiTAttnMetadata(grid=(3, 4, 16), num_heads=2, head_dim=16, num_layers=3)
-    inputs = {"hidden_states": torch.randn(1, 4, 3, 8, 32), "timestep": torch.tensor([500.0]),
-              "encoder_hidden_states": torch.randn(1, 8, 32), "return_dict": False}
     with torch.no_grad(), dit_step(meta):
         got = kept(**inputs)[0]
         assert vsa.seen == [True] * 3 and step_tile_order() is None  # every layer, and reset after
