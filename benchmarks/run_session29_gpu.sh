@@ -10,7 +10,6 @@
 #   diffusers  diffusers (carried .whl/diffusers) into /tmp/site
 #   planning VSA's planning pieces: the block-means kernel over launch shapes, torch.topk + sort against the top-k kernel
 #   step     one dummy Wan2.1-1.3B 480p step with each sparse backend next to diffusers (bench_sparse_video.py)
-#   pairs    the paired-query-block kernel against the one-block kernel on VSA's layouts (bench_block_sparse_pairs.py)
 #   vsaprof  VSA's whole call at 18x48x80 with tokens kept in cube order, profiled (top GPU kernels, host ops)
 #   sparse_tests  block-sparse GPU tests: Triton kernel and FA4 route against float64, sparse backends
 #   vsa      bench_sparse_backends.py --only vsa on 18x48x80 and 21x30x52 ($ROUTES, default "default")
@@ -93,8 +92,6 @@ import json
 r = json.load(open('$OUT/sparse_step.json')).get('sparse_step', {})
 for k, v in r.get('rows', {}).items(): print(k, v, r.get('over_diffusers', {}).get(k), r.get('density', {}).get(k))
 " ;;
-    pairs)
-      timeout 300 python3 benchmarks/bench_block_sparse_pairs.py --out "$OUT/pairs.json" 2>&1 | tail -6 | cut -c1-900 ;;
     vsaprof)
       timeout 200 python3 benchmarks/bench_sparse_backends.py --only vsa --grid 18x48x80 --profile 10 \
         --out "$OUT/vsa_18x48x80_profile.json" 2>&1 | tail -12 ;;

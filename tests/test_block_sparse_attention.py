@@ -25,10 +25,6 @@ def test_kernel_matches_float64_under_the_interpreter():
     run_interpreted("block_sparse_cases.py")
 
 
-def test_pair_kernel_matches_float64_under_the_interpreter():
-    run_interpreted("block_sparse_pairs_cases.py")
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize(("shape", "dtype", "seq", "match"), [
     ((1, 32, 2, 80), torch.float16, 32, "head dims"),
