@@ -10,7 +10,6 @@
 #   diffusers  diffusers (carried .whl/diffusers) into /tmp/site
 #   planning VSA's planning pieces: the block-means kernel over launch shapes, torch.topk + sort against the top-k kernel
 #   step     one dummy Wan2.1-1.3B 480p step with each sparse backend next to diffusers (bench_sparse_video.py)
-#   pairtiles  the block-sparse TMA kernel with two key tiles per softmax update on VSA's layouts (sweep_block_sparse.py)
 #   vsaprof  VSA's whole call at 18x48x80 with tokens kept in cube order, profiled (top GPU kernels, host ops)
 #   sparse_tests  block-sparse GPU tests: Triton kernel and FA4 route against float64, sparse backends
 #   vsa      bench_sparse_backends.py --only vsa on 18x48x80 and 21x30x52 ($ROUTES, default "default")
@@ -93,9 +92,6 @@ import json
 r = json.load(open('$OUT/sparse_step.json')).get('sparse_step', {})
 for k, v in r.get('rows', {}).items(): print(k, v, r.get('over_diffusers', {}).get(k), r.get('density', {}).get(k))
 " ;;
-    pairtiles)  # the TMA kernel taking two key tiles per softmax update, VSA's 64-token cubes, against the default
-      timeout 300 python3 benchmarks/sweep_block_sparse.py --vsa-wan-720p --cases VSA --out "$OUT/pair_tiles.json" \
-        --only 64-64-4-3-1-1,64-64-4-2-1-1,64-64-4-4-1-1,64-64-8-3-1-1,64-64-4-3-1-0 2>&1 | tail -14 | cut -c1-400 ;;
     vsaprof)
       timeout 200 python3 benchmarks/bench_sparse_backends.py --only vsa --grid 18x48x80 --profile 10 \
         --out "$OUT/vsa_18x48x80_profile.json" 2>&1 | tail -12 ;;

@@ -71,7 +71,7 @@ def sweep(name, tensors, layout, configs, device, save=None) -> dict:
     res = {"case": name, "density": layout.density(), "default": list(default), "runs": []}
     for cfg in [default] + [c for c in configs if c != default]:
         entry = {"block_m": cfg[0], "block_n": cfg[1], "warps": cfg[2], "stages": cfg[3], "tma": cfg[4],
-                 "pair_blocks": len(cfg) > 5 and cfg[5], "default": cfg == default}
+                 "default": cfg == default}
         try:
             c = BlockSparseConfig(*cfg)
             out = block_sparse_attention(q, k, v, layout, scale, config=c)
@@ -95,14 +95,13 @@ def sweep(name, tensors, layout, configs, device, save=None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default="", help="comma-separated (block_m, block_n, warps, stages, tma[, pair_blocks]) "
-                    "tuples to time besides the default, e.g. '128-64-4-3-1' or '64-64-4-3-1-1'; empty: the whole "
-                    "sweep")
+    ap.add_argument("--only", default="", help="comma-separated (block_m, block_n, warps, stages, tma) tuples to time "
+                    "besides the default, e.g. '128-64-4-3-1'; empty: the whole sweep")
     ap.add_argument("--cases", default="", help="only cases whose name contains this")
     ap.add_argument("--vsa-wan-720p", action="store_true", help="also VSA 0.875 on 18x48x80 (issue 11's target canvas)")
     args = ap.parse_args()
     only = [tuple(int(x) for x in c.split("-")) for c in args.only.split(",") if c]
-    only = [c[:4] + tuple(bool(x) for x in c[4:6]) for c in only]
+    only = [c[:4] + (bool(c[4]),) for c in only]
     device = torch.device("cuda")
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": []}
     import triton

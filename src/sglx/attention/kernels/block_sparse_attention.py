@@ -32,7 +32,6 @@ class BlockSparseConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     tma: bool | None = None  # K/V tiles through TMA descriptors (CUDA SM90+); None: the device's default
-    pair_blocks: bool = False  # TMA kernel, one key tile a block: two listed blocks per softmax update (one rescale)
 
 
 @triton.jit
@@ -106,22 +105,6 @@ def _block_sparse_fwd(
 
 
 @triton.jit
-def _tma_scores(q, K_desc, Kv_row, K_Lengths, it, row0, col, seq_len, offs_n, SUBS: tl.constexpr,
-                BLOCK_N: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr):
-    """(q . k^T of the it-th key tile, the tile's first key): the tile's padding keys at -inf when MASK_KEYS."""
-    kb = tl.load(Kv_row + it // SUBS)
-    sub = (it % SUBS) * BLOCK_N
-    start = kb * K_BLOCK + sub
-    qk = tl.dot(q, tl.trans(K_desc.load([row0 + start, col])))
-    if MASK_KEYS:
-        valid = (start + offs_n) < seq_len
-        if HAS_LENGTHS:
-            valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-    return qk, start
-
-
-@triton.jit
 def _block_sparse_fwd_tma(
     Q, K_desc, V_desc, Out, Kv_Indices, Kv_Counts, K_Lengths,
     qk_scale, seq_len, num_heads, row_b, row_h, col_h,
@@ -129,7 +112,6 @@ def _block_sparse_fwd_tma(
     stride_cb, stride_ch,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, MASK_KEYS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    PAIR: tl.constexpr = False,
 ):
     """`_block_sparse_fwd` with K/V tiles loaded by TMA: key s of (batch row b, KV head h) is descriptor row
     b * row_b + h * row_h + s at column h * col_h. [B, S, Hkv, D] tensors are [B * S, Hkv * D] descriptors (row_b S,
@@ -157,29 +139,18 @@ def _block_sparse_fwd_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    tiles = count * SUBS
-    if PAIR:  # two key tiles per update: one max, one rescale of acc for both
-        for it in range(0, tiles // 2):
-            qk, start = _tma_scores(q, K_desc, row, K_Lengths, 2 * it, row0, col, seq_len, offs_n, SUBS, BLOCK_N,
-                                    K_BLOCK, MASK_KEYS, HAS_LENGTHS)
-            qk2, start2 = _tma_scores(q, K_desc, row, K_Lengths, 2 * it + 1, row0, col, seq_len, offs_n, SUBS,
-                                      BLOCK_N, K_BLOCK, MASK_KEYS, HAS_LENGTHS)
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(qk, 1), tl.max(qk2, 1)) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            p2 = tl.exp2(qk2 * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
-            v = V_desc.load([row0 + start, col])
-            v2 = V_desc.load([row0 + start2, col])
-            acc = tl.dot(p2.to(v2.dtype), v2, tl.dot(p.to(v.dtype), v, acc * alpha[:, None]))
-            m_i = m_new
-        first = tiles // 2 * 2
-    else:
-        first = 0
-    for it in range(first, tiles):
-        qk, start = _tma_scores(q, K_desc, row, K_Lengths, it, row0, col, seq_len, offs_n, SUBS, BLOCK_N, K_BLOCK,
-                                MASK_KEYS, HAS_LENGTHS)
+    for it in range(0, count * SUBS):
+        kb = tl.load(row + it // SUBS)
+        sub = (it % SUBS) * BLOCK_N
+        start = kb * K_BLOCK + sub
+        k = K_desc.load([row0 + start, col])
         v = V_desc.load([row0 + start, col])
+        qk = tl.dot(q, tl.trans(k))
+        if MASK_KEYS:
+            valid = (start + offs_n) < seq_len
+            if HAS_LENGTHS:
+                valid = valid & ((sub + offs_n) < tl.load(K_Lengths + kb))
+            qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -321,8 +292,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
             idx.stride(0) if idx.shape[0] > 1 else 0, idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2),
             cnt.stride(0) if cnt.shape[0] > 1 else 0, cnt.stride(1) if cnt.shape[1] > 1 else 0,
             GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=layout.q_block, K_BLOCK=layout.k_block,
-            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, PAIR=config.pair_blocks, num_warps=num_warps,
-            num_stages=num_stages,
+            MASK_KEYS=mask_keys, HAS_LENGTHS=lengths is not None, num_warps=num_warps, num_stages=num_stages,
         )
         return out
     _block_sparse_fwd[grid](
