@@ -18,6 +18,7 @@ from sglx.diffusion.parallel.groups import sp_groups
 from sglx.distributed.group import destroy_distributed, init_distributed
 
 GRID = (2, 4, 8)  # 64 latent tokens
+VSA_GRID = (4, 4, 8)  # two whole 4x4x4 cubes (GRID's two 2x4x4 edge cubes pack into one block: dense)
 HEADS, DIM, BATCH = 4, 16, 2
 STA_WINDOWS = ((1, 1, 1), (1, 1, 3), (2, 1, 1), (2, 2, 3))  # one per head, so each rank's heads differ
 
@@ -46,7 +47,7 @@ def sparse_backend(name: str, strategy: str):  # type: ignore[no-untyped-def]
     if name == "vsa":
         from sglx.attention.diffusion.sparse.video_sparse import VideoSparseAttentionBackend
 
-        return VideoSparseAttentionBackend({"sparsity": 0.5})  # 2 cubes of 4x4x4: each query cube keeps 1
+        return VideoSparseAttentionBackend({"sparsity": 0.5})  # VSA_GRID's 2 cubes: each query cube keeps 1
     if name == "vmoba":
         from sglx.attention.diffusion.sparse.vmoba import VMoBABackend
 
@@ -64,9 +65,10 @@ def sta_backend(strategy: Path):  # type: ignore[no-untyped-def]
                                        tile=(1, 2, 2), block=4)
 
 
-def _inputs(seed: int, text: int, kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _inputs(seed: int, text: int, kv_heads: int, dtype: torch.dtype, grid: tuple[int, int, int] = GRID
+            ) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    s = GRID[0] * GRID[1] * GRID[2] + text
+    s = grid[0] * grid[1] * grid[2] + text
     q = torch.randn(BATCH, s, HEADS, DIM, generator=gen).to(dtype)
     k = torch.randn(BATCH, s, kv_heads, DIM, generator=gen).to(dtype)
     v = torch.randn(BATCH, s, kv_heads, DIM, generator=gen).to(dtype)
@@ -123,10 +125,11 @@ def _cases(rank: int, world: int, ulysses: int, ring: int, dev: torch.device, st
         results[name] = float((full.double() - sdpa64(q, k, v)).abs().max())
         results[name + "_text_spread"] = float(spread)
     if strategy is not None and ring == 1:  # sparse backends: the full-grid metadata, each rank's heads
-        meta = DiTAttnMetadata(grid=GRID, num_heads=HEADS, head_dim=DIM, text_tokens=4, text_position="prefix",
-                               num_layers=1)
-        q, k, v = (t.to(dev) for t in _inputs(99, 4, HEADS, dtype))
         for name in SPARSE:
+            grid = VSA_GRID if name == "vsa" else GRID
+            meta = DiTAttnMetadata(grid=grid, num_heads=HEADS, head_dim=DIM, text_tokens=4, text_position="prefix",
+                                   num_layers=1)
+            q, k, v = (t.to(dev) for t in _inputs(99, 4, HEADS, dtype, grid))
             single = sparse_backend(name, strategy).forward(q, k, v, meta=meta, layer=0)
             sp = SequenceParallelBackend(sparse_backend(name, strategy), groups)
             local = [_shard(t, meta, rank, world) for t in (q, k, v)]
