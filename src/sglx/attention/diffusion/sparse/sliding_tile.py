@@ -44,6 +44,7 @@ from sglx.attention.diffusion.sparse.tile_order import (
     step_tile_order,
     tile_order,
     tokens_in_tile_order,
+    whole_step_order,
 )
 from sglx.errors import ConfigError, SglxError
 
@@ -187,10 +188,10 @@ class SlidingTileAttentionBackend(DiffusionAttentionBackend):
     def step_order(self, meta: DiTAttnMetadata, hidden: torch.Tensor) -> TileOrder | None:
         """The tile order a DiT may keep its hidden states in for a whole forward (sglx.diffusion.step_order):
         only a pure permutation (every tile a whole number of blocks, no joint text) and not while searching."""
-        if self.search is not None or meta.text_tokens or hidden.shape[1] != meta.seq_len:
+        if self.search is not None:
             return None
-        order = tile_order(meta.grid, self.tile, 0, True, self.block or _default_block(hidden))
-        return order if order.slots == meta.seq_len and not order.identity else None
+        return whole_step_order(tile_order(meta.grid, self.tile, 0, True, self.block or _default_block(hidden)), meta,
+                                hidden)
 
     def _tiles(self, meta: DiTAttnMetadata, q: torch.Tensor) -> Grid:
         return tile_order(meta.grid, self.tile, meta.text_tokens, meta.text_position != "suffix",

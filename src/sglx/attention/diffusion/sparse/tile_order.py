@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import cdiv
 
 Grid = tuple[int, int, int]
@@ -124,6 +125,14 @@ def tile_order(grid: Grid, tile: Grid, text_tokens: int = 0, text_prefix: bool =
     identity = slots == seq and bool(torch.equal(scatter, torch.arange(seq)))
     return TileOrder(grid, tile, text_tokens, text_prefix, block, gather, scatter, q_map, block_tile,
                      None if full else lengths, identity)
+
+
+def whole_step_order(order: TileOrder, meta: DiTAttnMetadata, hidden: torch.Tensor) -> TileOrder | None:
+    """`order`, if a DiT may keep its hidden states [B, S, C] in it for a whole forward (sglx.diffusion.step_order):
+    no joint text, the whole sequence, and a pure permutation (no padding slots) that moves some token."""
+    if meta.text_tokens or hidden.shape[1] != meta.seq_len:
+        return None
+    return order if order.slots == meta.seq_len and not order.identity else None
 
 
 _STEP_ORDER: ContextVar[TileOrder | None] = ContextVar("sglx_step_tile_order", default=None)

@@ -39,7 +39,7 @@ from sglx.attention.diffusion.metadata import DiTAttnMetadata
 from sglx.attention.diffusion.sparse.layout import BlockSparseLayout
 from sglx.attention.diffusion.sparse.routes import run_block_sparse
 from sglx.attention.diffusion.sparse.sparse_backend import SparseDiTBackend, validated
-from sglx.attention.diffusion.sparse.tile_order import TileOrder, step_tile_order, tile_order
+from sglx.attention.diffusion.sparse.tile_order import TileOrder, step_tile_order, tile_order, whole_step_order
 from sglx.attention.diffusion.sparse.tiled import block_means, from_order, on_device, to_order
 from sglx.attention.kernels.topk_rows import kernel_serves as topk_kernel_serves
 from sglx.attention.kernels.topk_rows import topk_ascending
@@ -97,10 +97,9 @@ def vsa_layout(scores: torch.Tensor, order: TileOrder, sparsity: float) -> Block
         picked = cubes.to(torch.int32)[scores.index_select(-1, cubes).topk(topk, dim=-1, sorted=False).indices]
         picked = picked.sort(-1).values
     rows = picked
-    if text_ids.numel():
+    counts = torch.full((b, h, nb), picked.shape[-1] + text_ids.numel(), dtype=torch.int32, device=device)
+    if text_ids.numel():  # cube rows also list the text blocks; text rows list every block
         rows = torch.cat([picked, text_ids.to(torch.int32).expand(b, h, nb, -1)], -1).sort(-1).values
-    counts = torch.full((b, h, nb), rows.shape[-1], dtype=torch.int32, device=device)
-    if text_ids.numel():  # text rows attend every block
         rows = F.pad(rows, (0, nb - rows.shape[-1]), value=-1)
         rows[:, :, text_ids] = torch.arange(nb, device=device, dtype=torch.int32)
         counts[:, :, text_ids] = nb
@@ -185,10 +184,9 @@ class VideoSparseAttentionBackend(SparseDiTBackend):
     def step_order(self, meta: DiTAttnMetadata, hidden: torch.Tensor) -> TileOrder | None:
         """The cube order a DiT may keep its hidden states in for a whole forward (sglx.diffusion.step_order):
         only a pure permutation (no joint text) and only when the step runs sparse."""
-        if meta.text_tokens or hidden.shape[1] != meta.seq_len or keeps_everything(meta, self.vsa.sparsity):
+        if keeps_everything(meta, self.vsa.sparsity):
             return None
-        order = cube_order(meta)
-        return order if order.slots == meta.seq_len and not order.identity else None
+        return whole_step_order(cube_order(meta), meta, hidden)
 
 
 __all__ = ["VSAConfig", "VideoSparseAttentionBackend", "compute_topk", "video_sparse_attention", "vsa_plan"]
