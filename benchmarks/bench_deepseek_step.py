@@ -4,8 +4,8 @@
    implementation: sglx's fused Triton MoE, torch's grouped GEMM (`torch._grouped_mm`) and the per-expert loop;
    the first two replayed from CUDA graphs, each checked against the loop first; floor = the touched experts'
    bytes / device copy bandwidth.
-2. `sglx bench one-batch`'s measurement (same code) for batch sizes 1 and 32 on one loaded runner, then a
-   torch.profiler table of a few graph-replayed decode steps per size: where the step's time goes.
+2. `sglx bench one-batch`'s measurement (same code) for batch sizes 1 and 32 (`--batch-sizes`) on one loaded
+   runner, then a torch.profiler table of a few graph-replayed decode steps per size: where the step's time goes.
 
     PYTHONPATH=src python3 benchmarks/bench_deepseek_step.py --out $OUT/deepseek_step.json
 """
@@ -112,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--batch-sizes", default="1,32", help="comma-separated one-batch sizes to time and profile")
     args = parser.parse_args()
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
@@ -119,7 +120,7 @@ def main() -> None:
                     "copy_bandwidth_gb_per_s": bandwidth / 1e9}
     report["moe_layer"] = moe_layer(bandwidth, [1, 8, 32, 256])
     if not args.skip_model:
-        report["model"] = one_batch_and_profile((1, 32), bandwidth)
+        report["model"] = one_batch_and_profile(tuple(int(b) for b in args.batch_sizes.split(",")), bandwidth)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     print("MoE layer (ms; ratio to floor):")

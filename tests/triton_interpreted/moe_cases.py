@@ -12,11 +12,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the launcher
     pytest.skip("run through tests/test_deepseek_kernels.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
 
-from sglx.llm.kernels.fused_moe import fused_moe, moe_align  # noqa: E402
+from sglx.llm.kernels.fused_moe import fused_moe  # noqa: E402
+from sglx.llm.kernels.moe_align import moe_align  # noqa: E402
 from sglx.llm.layers.moe import RoutedExperts  # noqa: E402
 
 
@@ -107,28 +109,43 @@ def test_align_sorts_pairs_stably_into_one_expert_blocks():
     assert [e for e in block_expert.tolist() if e >= 0] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 8, 66, 16), (37, 6, 64, 16), (64, 8, 66, 64),
-                                                        (5, 2, 4, 16), (90, 3, 7, 32)])
-def test_align_by_sort_lays_out_pairs_as_the_kernel(tokens, k, experts, block_m):
-    """moe_align_by_sort (torch, for many pairs) against _moe_align_kernel (one program): the same blocks, experts,
-    row counts and pair order, on random routings where some experts get nothing and some get several blocks."""
-    from sglx.llm.kernels import fused_moe as fm
-
-    gen = torch.Generator().manual_seed(tokens * 7 + k)
+def _crowded_routing(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
+    """Random top-k ids where a few experts are crowded (their runs span blocks) and others get nothing."""
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
-    if experts > 8:  # crowd a few experts so their runs span blocks, leave others empty
+    if experts > 8:
         ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.5, ids % 5, ids)
-    assert ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS  # moe_align below takes the kernel
-    want = moe_align(ids, experts, block_m)
-    got = fm.moe_align_by_sort(ids, experts, block_m)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    for b, n in enumerate(want[2].tolist()):
-        assert torch.equal(got[0][b * block_m:b * block_m + n], want[0][b * block_m:b * block_m + n])
+    return ids
 
 
-def test_many_pairs_take_the_sort_and_give_the_kernels_output(monkeypatch):
-    """Past ALIGN_KERNEL_MAX_PAIRS moe_align sorts with torch; fused_moe's output is bitwise the kernel layout's."""
-    from sglx.llm.kernels import fused_moe as fm
+@pytest.mark.parametrize("one_program", [True, False])
+@pytest.mark.parametrize("tokens,k,experts,block_m,per_program", [
+    (1, 8, 66, 16, None), (37, 6, 64, 16, None), (64, 8, 66, 64, None), (5, 2, 4, 16, None), (90, 3, 7, 32, None),
+    (140, 8, 66, 16, 32),  # 35 slices: more than the scan's tile of 32 slices at 128 padded experts
+    (40, 9, 257, 64, 16),  # DeepSeek-V3's 256 routed + 1 shared: 512 padded experts, scan tiles of 8 slices
+])
+def test_align_lays_out_pairs_as_a_stable_torch_sort(tokens, k, experts, block_m, per_program, one_program,
+                                                     monkeypatch):
+    """Both launch shapes of moe_align (one program; count, scan, place over many programs) against a stable
+    torch argsort: the same blocks, experts, row counts and pair order."""
+    from moe_align_reference import align_by_torch_sort, assert_same_alignment
+    from sglx.llm.kernels import moe_align as ma
+
+    if per_program is not None:
+        monkeypatch.setattr(ma, "MAX_PAIRS_PER_PROGRAM", per_program)
+    ids = _crowded_routing(tokens, k, experts, tokens * 7 + k)
+    got = ma.moe_align(ids, experts, block_m, one_program=one_program)
+    if not one_program and per_program is not None:  # the scan walks several tiles of slices
+        block_e = triton.next_power_of_2(experts)
+        slices = triton.cdiv(ids.numel(), ma.pairs_per_program(ids.numel(), ids.device, ma._chunk(block_e)))
+        assert slices > 4096 // block_e
+    assert_same_alignment(got, align_by_torch_sort(ids, experts, block_m), block_m)
+
+
+def test_many_pairs_take_three_launches_and_give_the_one_programs_output(monkeypatch):
+    """Past ONE_PROGRAM_MAX_PAIRS moe_align runs over many programs; fused_moe's output is bitwise the one-program
+    layout's."""
+    from sglx.llm.kernels import moe_align as ma
 
     gen = torch.Generator().manual_seed(5)
     tokens, k, experts, hidden, inter = 90, 6, 8, 32, 16
@@ -137,15 +154,26 @@ def test_many_pairs_take_the_sort_and_give_the_kernels_output(monkeypatch):
     x = torch.randn(tokens, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
-    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_PAIRS", 512)  # the interpreter's shapes stay small
-    calls = []
-    real = fm.moe_align_by_sort
-    monkeypatch.setattr(fm, "moe_align_by_sort", lambda *a: calls.append(a[0].numel()) or real(*a))
-    by_sort = fused_moe(x, w13, w2, weights, ids, interpret=True)
-    assert calls == [tokens * k]
-    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_PAIRS", 10**6)
-    by_kernel = fused_moe(x, w13, w2, weights, ids, interpret=True)
-    assert calls == [tokens * k] and torch.equal(by_sort, by_kernel)
+    assert tokens * k > ma.ONE_PROGRAM_MAX_PAIRS
+    launched = []
+    real = ma._align_scan_kernel
+    monkeypatch.setattr(ma, "_align_scan_kernel", _Recorder(real, launched))
+    many = fused_moe(x, w13, w2, weights, ids, interpret=True)
+    assert len(launched) == 1
+    monkeypatch.setattr(ma, "ONE_PROGRAM_MAX_PAIRS", 10**6)
+    one = fused_moe(x, w13, w2, weights, ids, interpret=True)
+    assert len(launched) == 1 and torch.equal(many, one)
+
+
+class _Recorder:
+    """A kernel whose launches are counted."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
 
 
 def test_tiny_deepseek_with_fused_experts_matches_transformers(tmp_path, monkeypatch):

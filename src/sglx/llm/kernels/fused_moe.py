@@ -1,9 +1,9 @@
 """Fused MoE experts in Triton: tokens sorted by expert on the device, then two grouped GEMMs.
 
 Why: a decode step's MoE layer reads only the experts its tokens chose, so it is bandwidth-bound, and at
-small batches it is launch-bound too. Here a whole layer is four launches with no host sync (CUDA graphs
-capture it): (1) one program sorts the (token, choice) pairs by expert into blocks of BLOCK_M rows
-(each block belongs to one expert, padded rows masked), (2) gate/up GEMM with SiLU(gate) * up fused,
+small batches it is launch-bound too. Here a whole layer is four launches (six for many pairs) with no host
+sync (CUDA graphs capture it): (1) the (token, choice) pairs sorted by expert into blocks of BLOCK_M rows
+(`moe_align`: each block belongs to one expert, padded rows masked), (2) gate/up GEMM with SiLU(gate) * up fused,
 one program per (block, column tile), each reading only its expert's weight tile, (3) down GEMM times
 the routing weight, written per pair in float32, (4) the sum over a token's top-k choices, cast to the
 model dtype, plus (optionally) the shared experts' output. The sort
@@ -26,45 +26,8 @@ import triton
 import triton.language as tl
 
 from sglx.attention.kernels.common import dot, num_sms
+from sglx.llm.kernels.moe_align import moe_align
 from sglx.llm.kernels.rounding import round_to
-
-
-@triton.jit
-def _moe_align_kernel(Ids, Sorted_Ids, Block_Expert, Block_Rows, num_pairs, num_blocks,
-                      E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: pair ids sorted (stably) by expert into BLOCK_M-row blocks; per block its expert
-    (-1: unused) and how many of its rows are real."""
-    experts = tl.arange(0, BLOCK_E)
-    real = experts < E
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        e = tl.load(Ids + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        live = offs < num_pairs
-        e = tl.load(Ids + offs, mask=live, other=-1).to(tl.int32)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum((tl.cumsum(onehot, 0) - 1 + seen[None, :]) * onehot, 1)
-        dest = tl.sum(pad_start[None, :] * onehot, 1) + rank
-        tl.store(Sorted_Ids + dest, offs, mask=live)
-        seen += tl.sum(onehot, 0)
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        row0 = blocks * BLOCK_M
-        owner = tl.sum(((pad_end[None, :] <= row0[:, None]) & real[None, :]).to(tl.int32), 1)
-        mine = (experts[None, :] == owner[:, None]).to(tl.int32)
-        first = tl.sum(pad_start[None, :] * mine, 1)
-        count = tl.sum(counts[None, :] * mine, 1)
-        rows = tl.minimum(tl.maximum(count - (row0 - first), 0), BLOCK_M)
-        used = owner < E
-        tl.store(Block_Expert + blocks, tl.where(used, owner, -1), mask=blocks < num_blocks)
-        tl.store(Block_Rows + blocks, tl.where(used, rows, 0), mask=blocks < num_blocks)
 
 
 @triton.jit
@@ -237,67 +200,6 @@ def default_tiles(num_pairs: int, interpret: bool) -> MoETiles:
 def moe_block_m(pairs: int, interpret: bool = False) -> int:
     """Rows per expert block fused_moe uses for this many (token, choice) pairs (what `aligned` must have)."""
     return default_tiles(pairs, interpret).block_m
-
-
-# Above this many (token, choice) pairs moe_align sorts with torch (a stable sort and a few small launches) instead
-# of `_moe_align_kernel`, one program that walks every pair twice, so its time grows with the pairs. Measured on an
-# H200 (session 29, `benchmarks/results/s29/call4/moe_align_micro.json`), DeepSeek-V2-Lite's routing (66 experts,
-# 8 pairs a token): the kernel 0.27 ms at 4,096 pairs, 0.54 at 8,192, 0.80 at 12,288, 17.8 at 262,144; the sort
-# 0.73-0.91 ms at every size (launch-bound). With 64 experts and 6 pairs the kernel is faster per pair and the
-# crossover sits at 12,000-16,000 pairs. DeepSeek-V2-Lite's 64 x 512-token prefill took 471-475 ms with the sort
-# against 939 with the kernel (s29/call1). CUDA-graph captures keep the kernel (decode batches are far below this).
-ALIGN_KERNEL_MAX_PAIRS = 12288
-
-
-def _blocks_bound(pairs: int, num_experts: int, block_m: int) -> int:
-    """Blocks of block_m rows that any routing of `pairs` pairs over `num_experts` experts fits (host-side bound)."""
-    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
-
-
-def moe_align_by_sort(ids: torch.Tensor, num_experts: int, block_m: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align's result from torch operations (no host sync; moe_align keeps it out of CUDA-graph captures, where it
-    has not run on a GPU): pairs stably sorted by expert, each expert's run starting at a multiple of block_m; the
-    same layout and values as `_moe_align_kernel` (rows past an expert's pairs are left unwritten in both)."""
-    flat = ids.reshape(-1).to(torch.int64)
-    pairs, device = flat.numel(), flat.device
-    blocks = _blocks_bound(pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    pad_start = pad_end - padded
-    first = counts.cumsum(0) - counts  # each expert's first position in the unpadded sorted order
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    dest = pad_start[expert] + torch.arange(pairs, device=device) - first[expert]
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    row0 = torch.arange(blocks, device=device) * block_m
-    owner = torch.searchsorted(pad_end, row0, right=True)  # experts whose padded run ends at or before the block
-    used = owner < num_experts
-    mine = owner.clamp(max=num_experts - 1)
-    rows = (counts[mine] - (row0 - pad_start[mine])).clamp(0, block_m)
-    block_expert = torch.where(used, owner, -1).to(torch.int32)
-    block_rows = torch.where(used, rows, 0).to(torch.int32)
-    return sorted_ids, block_expert, block_rows
-
-
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (sorted pair ids [blocks * block_m] int32, expert of each block [blocks] int32 (-1 unused),
-    real rows of each block [blocks] int32). The block count is a bound known on the host (no sync). Past
-    ALIGN_KERNEL_MAX_PAIRS pairs, outside CUDA-graph captures: `moe_align_by_sort`."""
-    pairs = ids.numel()
-    if pairs > ALIGN_KERNEL_MAX_PAIRS and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return moe_align_by_sort(ids, num_experts, block_m)
-    blocks = _blocks_bound(pairs, num_experts, block_m)
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    block_e = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(128, 4096 // block_e))
-    _moe_align_kernel[(1,)](ids.reshape(-1), sorted_ids, block_expert, block_rows, pairs, blocks,
-                            E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
-    return sorted_ids, block_expert, block_rows
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
