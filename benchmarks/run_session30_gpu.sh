@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Session 30 on the lent GPU: stages named on the command line run in order; every log and JSON lands in $OUT.
+#   fi           FlashInfer (+ xdist) into /tmp/site from the carried .whl/fi and .whl/xdist (idempotent)
+#   mla_tests    tests/gpu/test_mla_gpu.py -k "$MLA_K" (default: triton MLA prefill graphs, engine vs transformers,
+#                graphs vs eager, the 576-latent pairs, the dummy V2-Lite one-batch)
 #   align_tests  tests/gpu/test_mla_gpu.py -k "align or fused_moe" (both moe_align launch shapes against a stable
 #                torch sort up to 320k pairs, fused MoE against the loop)
 #   align        benchmarks/bench_moe_align.py: one program, three launches, torch sort; eager and graph-replayed
@@ -15,6 +18,13 @@ export PYTHONPATH=$PWD/src:$PWD/tests:$SITE:$SITE/nvidia_cutlass_dsl/dsl_package
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
+    fi)
+      [ -d $SITE/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE \
+        .whl/fi/*.whl .whl/xdist/*.whl > "$OUT/pip_fi.log" 2>&1; echo "fi rc=$?" ;;
+    mla_tests)
+      timeout ${MLA_S:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 -p xdist tests/gpu/test_mla_gpu.py \
+        -k "${MLA_K:-prefill_graphs or engine_on_gpu or cuda_graphs_equal or 576_latent or one_batch}" 2>&1 \
+        | tee "$OUT/mla_tests.txt" | tail -15 ;;
     align_tests)
       timeout ${AT_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py \
         -k "align or fused_moe" 2>&1 | tee "$OUT/align_tests.txt" | tail -8 ;;

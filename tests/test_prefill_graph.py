@@ -46,15 +46,14 @@ def test_plan_follows_the_decode_graphs_and_says_why_not():
         "--cuda-graph-max-prefill-tokens 0": prefill_graph_plan(True, "", "triton", True, 0, 4096, 1),
         "the device is cpu": prefill_graph_plan(False, "the device is cpu", "triton", True, None, 4096, 1),
         "flashinfer has no prefill graph support": prefill_graph_plan(True, "", "flashinfer", False, None, 4096, 1),
-        "MLA prefill attention backend triton has no prefill graph support (no MLA backend has it yet)":
-            prefill_graph_plan(True, "", "triton", False, None, 4096, 1, mla=True),
+        "MLA prefill attention backend flashinfer has no prefill graph support (triton MLA has it, for prompts "
+        "without a cached prefix": prefill_graph_plan(True, "", "flashinfer", False, None, 4096, 1, mla=True),
         "tensor parallelism": prefill_graph_plan(True, "", "triton", True, None, 4096, 2),
     }
     for why, plan in cases.items():
         assert not plan.enabled and why in plan.why and "off:" in plan.describe(), (why, plan)
-    # an MLA model's triton backend is not the MHA triton that has prefill graphs: no advice to pick it
-    mla_plan = prefill_graph_plan(True, "", "triton", False, None, 4096, 1, mla=True)
-    assert "--attention-backend triton" not in mla_plan.why
+    mla_on = prefill_graph_plan(True, "", "triton", True, None, 4096, 1, mla=True)
+    assert mla_on.enabled and "without a cached prefix" in mla_on.why
 
 
 def _pools() -> tuple[ReqToTokenPool, TokenKVPool]:

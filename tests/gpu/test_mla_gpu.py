@@ -225,6 +225,28 @@ def test_bf16_cuda_graphs_equal_eager(deepseek: dict, arch: str) -> None:
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_triton_mla_prefill_graphs_equal_eager_prefill(deepseek: dict, arch: str) -> None:
+    """float32, prompts one at a time: prefills without a cached prefix replay graphs, the one on a cached prefix
+    runs eagerly; tokens equal transformers' and an engine with prefill graphs off."""
+    from sglx.llm.engine import Engine
+
+    path, prompts, refs = deepseek[arch]
+    ordered = [*prompts, prompts[1] + prompts[0]]  # the last one starts with a cached prompt
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    outs, replays = [], []
+    for limit in (None, 0):
+        with Engine(model_path=str(path), dtype="float32", device="cuda", attention_backend="triton",
+                    max_total_tokens=4096, cuda_graph_max_prefill_tokens=limit) as eng:
+            assert eng.info["prefill_cuda_graph"] == (limit is None), eng.info["prefill_cuda_graph_why"]
+            outs.append([eng.generate(input_ids=[p], sampling_params=params)[0]["output_ids"] for p in ordered])
+            pg = eng.runner.prefill_graph_runner
+            replays.append(pg.replays if pg is not None else 0)
+    assert replays == [2, 0]
+    assert outs[0] == outs[1]
+    assert outs[0][:2] == [r[:12] for r in refs]
+
+
 def _flashinfer_or_skip() -> None:
     from sglx import platform
     from sglx.attention.registry import availability, find

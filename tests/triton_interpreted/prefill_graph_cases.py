@@ -114,3 +114,53 @@ def test_batches_a_prefill_graph_cannot_take_run_eagerly(tiny):
     assert not runner.can_run(h.build_batch(ForwardMode.EXTEND, [a], [list(range(1, 34))]))  # 33 > 32 tokens
     assert not runner.can_run(h.build_batch(ForwardMode.EXTEND, [b], [[4, 5]], return_all_logits=True))
     assert not runner.can_run(h.build_batch(ForwardMode.DECODE, [b], [[6]]))
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("prefill_graph_mla"), "deepseek_v2")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    return model, load_hf_model(model_dir)
+
+
+def _triton_mla_harness(model, page_size: int) -> PagedKVHarness:
+    from sglx.attention.llm.triton_mla import TritonMLABackend
+
+    h = PagedKVHarness(model, page_size=page_size, max_context=128, seed=3)
+    kv = h.kv_pool
+    h.backend = TritonMLABackend(BackendContext(torch.device("cpu"), torch.float32, model.config.num_heads, 1,
+                                                kv.latent_dim, page_size, h.req_pool, kv))
+    return h
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mla_static_prefill_step_matches_eager_triton_and_hf(tiny_deepseek, page_size):
+    """triton MLA in the prefill graphs' static step: a padded prompt and an exact-bucket one give the eager path's
+    and Hugging Face's logits and latents; a prompt on a cached prefix is refused (it prefills eagerly)."""
+    model, hf = tiny_deepseek
+    eager, graphed = _triton_mla_harness(model, page_size), _triton_mla_harness(model, page_size)
+    runner = PrefillGraphRunner(GraphTarget(torch.device("cpu"), model, graphed.backend, graphed.req_pool,
+                                            graphed.kv_pool), PrefillGraphPlan(True, 64, (16, 32, 64), "test"),
+                                capture=False)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    first = torch.randint(1, vocab, (37,), generator=gen).tolist()  # bucket 64: 27 padding rows
+    exact = torch.randint(1, vocab, (32,), generator=gen).tolist()
+    rows = {}
+    for name, ids in (("first", first), ("exact", exact)):
+        rows[name] = (eager.new_request(), graphed.new_request())
+        want = eager.extend([(rows[name][0], ids)])
+        batch = graphed.build_batch(ForwardMode.EXTEND, [rows[name][1]], [ids])
+        assert runner.can_run(batch)
+        with torch.no_grad():
+            got = runner.replay(batch)
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got[0], hf(torch.tensor([ids])).logits[0, -1].float(), **TOL)
+    assert runner.replays == 2
+    for layer in range(model.config.num_layers):  # every latent but the padding page's slot 0 as eager stored it
+        torch.testing.assert_close(graphed.kv_pool.kv_buffer[layer][1:], eager.kv_pool.kv_buffer[layer][1:],
+                                   atol=1e-6, rtol=0)
+    shared = graphed.new_request(share_from=rows["first"][1], shared_len=32)
+    assert not runner.can_run(graphed.build_batch(ForwardMode.EXTEND, [shared], [[5, 6, 7]]))
+    row_e, row_g = rows["first"]
+    torch.testing.assert_close(graphed.decode([(row_g, 5)]), eager.decode([(row_e, 5)]), **TOL)

@@ -14,7 +14,8 @@ buffer; the attention backend rebuilds its indices from them inside the graph
 
 Only prefill backends that declare `supports_prefill_cuda_graph` (triton, also as the prefill half of a hybrid
 pair whose decode backend has graphs) get these graphs; any other batch
-(several requests, MIXED steps, more tokens than the largest bucket, all-token logits) prefills eagerly.
+(several requests, MIXED steps, more tokens than the largest bucket, all-token logits, and for triton MLA a
+cached prefix: `prefill_graph_takes`) prefills eagerly.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
                        max_tokens: int | None, context_length: int, tp_size: int, mla: bool = False
                        ) -> PrefillGraphPlan:
     """Prefill graphs follow the decode graphs (device, --disable-cuda-graph, the model) plus their own limits.
-    mla: the model uses multi-head latent attention (no MLA backend captures prefills yet)."""
+    mla: the model uses multi-head latent attention (triton MLA captures prefills without a cached prefix)."""
     limit = DEFAULT_MAX_PREFILL_TOKENS if max_tokens is None else max_tokens
     limit = min(limit, context_length)
     why = ""
@@ -70,8 +71,9 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
     elif not decode_graphs_on:
         why = decode_why
     elif not backend_supports and mla:
-        why = (f"MLA prefill attention backend {backend_name} has no prefill graph support (no MLA backend has it "
-               "yet): prefills run eagerly")
+        why = (f"MLA prefill attention backend {backend_name} has no prefill graph support (triton MLA has it, for "
+               "prompts without a cached prefix: --attention-backend triton, or --prefill-attention-backend triton "
+               "with a decode backend that has CUDA graphs)")
     elif not backend_supports:
         why = (f"prefill attention backend {backend_name} has no prefill graph support (triton has it: "
                "--attention-backend triton, or --prefill-attention-backend triton with any decode backend "
@@ -80,8 +82,9 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
         why = "tensor parallelism: prefill graphs are captured on one GPU only"
     if why:
         return PrefillGraphPlan(False, limit, (), why)
+    scope = " without a cached prefix (MLA)" if mla else ""
     return PrefillGraphPlan(True, limit, tuple(prefill_buckets(limit)),
-                            f"single-request prefills of up to {limit} tokens replay captured graphs")
+                            f"single-request prefills of up to {limit} tokens{scope} replay captured graphs")
 
 
 class PrefillInputBuffers:
@@ -166,7 +169,7 @@ class PrefillGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.EXTEND and batch.batch_size == 1 and not batch.return_all_logits
-                and 0 < batch.num_tokens <= self.max_tokens)
+                and 0 < batch.num_tokens <= self.max_tokens and self.target.backend.prefill_graph_takes(batch))
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a graph holds: the int32 indptr, the backend's indices, the model, the greedy pick."""

@@ -125,6 +125,11 @@ class AttentionBackend(ABC):
         """Static metadata of every token bucket over the runner's static inputs (before capture)."""
         raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")
 
+    def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
+        """Whether this single-request prefill can replay a graph (backends whose graphs bake in more than the
+        token bucket refuse the batches that differ). Default: every one."""
+        return True
+
     def init_prefill_metadata_in_graph(self, bucket: int) -> None:
         """Device work on the static inputs, captured before the model (every replay redoes it)."""
         raise NotImplementedError(f"{self.name} does not support prefill CUDA graphs")

@@ -77,6 +77,9 @@ class HybridAttentionBackend(AttentionBackend):
                                  seq_lens: torch.Tensor) -> None:
         self.prefill.init_prefill_graph_state(buckets, qo_indptr, req_pool_indices, seq_lens)
 
+    def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
+        return self.prefill.prefill_graph_takes(batch)
+
     def init_prefill_metadata_in_graph(self, bucket: int) -> None:
         self.prefill.init_prefill_metadata_in_graph(bucket)
 

@@ -40,7 +40,9 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
 
     name = "triton"
     supports_cuda_graph = True
-    supports_prefill_cuda_graph = False  # its extend (non-absorbed, K/V expanded per launch) is not graph-safe
+    # Prefill graphs for prompts with no cached prefix: the extend expands every key's latent per head, and a graph
+    # fixes how many (the bucket); a prefix of any length would change that count (`prefill_graph_takes`).
+    supports_prefill_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
 
@@ -57,6 +59,10 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
     def _graph_splits(self, bs: int, max_context: int) -> int:
         """MLA's split policy (one split once the batch fills the GPU), for eager steps and graph buffers alike."""
         return mla_num_splits(bs, self.ctx.num_q_heads, max_context, num_sms(self.ctx.device), self.mla_config)
+
+    def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
+        """Only prefills without a cached prefix: the graph expands exactly the bucket's keys."""
+        return not any(batch.extend_prefix_lens_cpu)
 
     def forward_mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
