@@ -135,32 +135,39 @@ def _triton_mla_harness(model, page_size: int) -> PagedKVHarness:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_mla_static_prefill_step_matches_eager_triton_and_hf(tiny_deepseek, page_size):
-    """triton MLA in the prefill graphs' static step: a padded prompt and an exact-bucket one give the eager path's
-    and Hugging Face's logits and latents; a prompt on a cached prefix is refused (it prefills eagerly)."""
+    """triton MLA in the prefill graphs' static step: a padded prompt, an exact-bucket one and one on a 32-token cached
+    prefix give the eager path's and Hugging Face's logits and latents; a cached prefix longer than the keys a graph
+    expands beyond its bucket (the largest bucket, 64 here) is refused (it prefills eagerly)."""
     model, hf = tiny_deepseek
     eager, graphed = _triton_mla_harness(model, page_size), _triton_mla_harness(model, page_size)
     runner = PrefillGraphRunner(GraphTarget(torch.device("cpu"), model, graphed.backend, graphed.req_pool,
                                             graphed.kv_pool), PrefillGraphPlan(True, 64, (16, 32, 64), "test"),
                                 capture=False)
+    assert graphed.backend.graph_prefix_cap == 64
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     first = torch.randint(1, vocab, (37,), generator=gen).tolist()  # bucket 64: 27 padding rows
     exact = torch.randint(1, vocab, (32,), generator=gen).tolist()
+    tail = torch.randint(1, vocab, (9,), generator=gen).tolist()  # bucket 16 on 32 cached tokens of `first`
     rows = {}
-    for name, ids in (("first", first), ("exact", exact)):
-        rows[name] = (eager.new_request(), graphed.new_request())
+    for name, share, ids in (("first", None, first), ("exact", None, exact), ("prefixed", "first", tail)):
+        rows[name] = tuple(h.new_request(share_from=rows[share][i] if share else None, shared_len=32 if share else 0)
+                           for i, h in enumerate((eager, graphed)))
         want = eager.extend([(rows[name][0], ids)])
         batch = graphed.build_batch(ForwardMode.EXTEND, [rows[name][1]], [ids])
         assert runner.can_run(batch)
         with torch.no_grad():
             got = runner.replay(batch)
         torch.testing.assert_close(got, want, **TOL)
-        torch.testing.assert_close(got[0], hf(torch.tensor([ids])).logits[0, -1].float(), **TOL)
-    assert runner.replays == 2
+        full = first[:32] + tail if share else ids
+        torch.testing.assert_close(got[0], hf(torch.tensor([full])).logits[0, -1].float(), **TOL)
+    assert runner.replays == 3
     for layer in range(model.config.num_layers):  # every latent but the padding page's slot 0 as eager stored it
         torch.testing.assert_close(graphed.kv_pool.kv_buffer[layer][1:], eager.kv_pool.kv_buffer[layer][1:],
                                    atol=1e-6, rtol=0)
-    shared = graphed.new_request(share_from=rows["first"][1], shared_len=32)
-    assert not runner.can_run(graphed.build_batch(ForwardMode.EXTEND, [shared], [[5, 6, 7]]))
     row_e, row_g = rows["first"]
     torch.testing.assert_close(graphed.decode([(row_g, 5)]), eager.decode([(row_e, 5)]), **TOL)
+    long = graphed.new_request()
+    graphed.extend([(long, torch.randint(1, vocab, (68,), generator=gen).tolist())])  # eagerly: > 64 tokens
+    on_long = graphed.new_request(share_from=long, shared_len=68)
+    assert not runner.can_run(graphed.build_batch(ForwardMode.EXTEND, [on_long], [[5, 6, 7]]))

@@ -40,14 +40,17 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
 
     name = "triton"
     supports_cuda_graph = True
-    # Prefill graphs for prompts with no cached prefix: the extend expands every key's latent per head, and a graph
-    # fixes how many (the bucket); a prefix of any length would change that count (`prefill_graph_takes`).
+    # Prefill graphs: the extend expands every key's latent per head, and a graph fixes how many. A bucket's graph
+    # expands its own rows plus `graph_prefix_cap` keys of cached prefix (the largest bucket), so any prompt whose
+    # cached prefix is no longer than that replays it (`prefill_graph_takes`); longer prefixes prefill eagerly.
     supports_prefill_cuda_graph = True
     mla_decode_config = MLADecodeConfig()
     max_expanded_bytes = 1 << 30  # per-head K/V expanded at once by one extend launch (more requests: more launches)
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
+        self.graph_prefix_cap = 0  # cached-prefix keys a prefill graph expands (set with the graphs' state)
+        self._graph_bucket = 0  # the prefill graph being captured or stepped (0: an eager step)
         self.mla_config = resolve_config(self.mla_decode_config, ctx.num_q_heads,
                                          getattr(ctx.token_kv_pool, "fp8_dtype", None) is not None, ctx.device,
                                          self.interpret)
@@ -60,9 +63,26 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
         """MLA's split policy (one split once the batch fills the GPU), for eager steps and graph buffers alike."""
         return mla_num_splits(bs, self.ctx.num_q_heads, max_context, num_sms(self.ctx.device), self.mla_config)
 
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._graph_bucket = 0
+        super().init_forward_metadata(batch)
+
+    def init_prefill_graph_state(self, buckets: list[int], qo_indptr: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor) -> None:
+        super().init_prefill_graph_state(buckets, qo_indptr, req_pool_indices, seq_lens)
+        self.graph_prefix_cap = min(max(buckets), self.ctx.req_to_token_pool.max_context_len)  # within kv_indices
+
+    def init_prefill_metadata_in_graph(self, bucket: int) -> None:
+        super().init_prefill_metadata_in_graph(bucket)
+        self._graph_bucket = bucket
+
+    def init_prefill_metadata_replay(self, bucket: int) -> None:
+        super().init_prefill_metadata_replay(bucket)
+        self._graph_bucket = bucket
+
     def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
-        """Only prefills without a cached prefix: the graph expands exactly the bucket's keys."""
-        return not any(batch.extend_prefix_lens_cpu)
+        """Prefills whose cached prefix fits the keys a graph expands beyond its bucket."""
+        return sum(batch.extend_prefix_lens_cpu) <= self.graph_prefix_cap
 
     def forward_mla_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec,
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
@@ -85,9 +105,27 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
                            proj: MLAProjections, batch: ForwardBatch) -> torch.Tensor:
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = q.new_empty((q.shape[0], layer.num_heads, layer.v_head_dim))
+        if self._graph_bucket:
+            self._extend_in_graph(q, out, layer, proj, batch)
+            return out
         for group in self._extend_groups(batch, layer, q.element_size()):
             self._extend_group(q, out, group, layer, proj, batch)
         return out
+
+    def _extend_in_graph(self, q: torch.Tensor, out: torch.Tensor, layer: MLALayerSpec, proj: MLAProjections,
+                         batch: ForwardBatch) -> None:
+        """A prefill graph's extend, shapes fixed by the bucket: the first bucket + graph_prefix_cap entries of the
+        static kv_indices (the real request's prefix and rows, the padding request's rows, then unused entries that
+        hold valid slots) are expanded; the kernel reads only the keys kv_indptr gives each request."""
+        meta = self.meta
+        assert meta is not None and meta.qo_indptr is not None
+        keys_n = self._graph_bucket + self.graph_prefix_cap
+        latent = batch.token_kv_pool.get_latent(  # type: ignore[attr-defined]
+            layer.layer_id, meta.kv_indices[:keys_n].long(), q.dtype)
+        keys, values = expand_latent(latent, proj, layer)
+        rows = torch.arange(keys_n, dtype=torch.int32, device=q.device)
+        extend_attention(q, keys, values, out, meta.qo_indptr, meta.kv_indptr, rows, self._graph_bucket,
+                         layer.scaling, config=self.extend_config, interpret=self.interpret)
 
     def _extend_groups(self, batch: ForwardBatch, layer: MLALayerSpec, elem: int) -> list[range]:
         """Consecutive request ranges whose expanded K/V fit max_expanded_bytes (at least one request each)."""
