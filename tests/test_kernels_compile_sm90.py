@@ -117,10 +117,11 @@ def _moe_align(step: str) -> tuple:
         "one": (ma._align_one_program, dict.fromkeys(("Sorted_Ids", "Block_Expert", "Block_Rows"), i32),
                 dict(E=66, BLOCK_E=128, BLOCK_M=16, CHUNK=32)),
         "count": (ma._align_count_kernel, {"Slice_Counts": i32}, dict(PER_PROGRAM=64, BLOCK_E=128, CHUNK=32)),
-        "scan": (ma._align_scan_kernel, dict.fromkeys(("Slice_Counts", "Block_Expert", "Block_Rows"), i32),
-                 dict(E=257, BLOCK_E=512, BLOCK_M=64, SLICES=8, CHUNK=16)),
-        "place": (ma._align_place_kernel, dict.fromkeys(("Sorted_Ids", "Slice_Counts"), i32),
-                  dict(PER_PROGRAM=1024, BLOCK_E=128, CHUNK=32)),
+        "scan": (ma._align_scan_kernel, dict.fromkeys(("Slice_Counts", "Runs"), i32),
+                 dict(BLOCK_E=512, BLOCK_M=64, SLICES=8)),
+        "place": (ma._align_place_kernel,
+                  dict.fromkeys(("Sorted_Ids", "Slice_Counts", "Runs", "Block_Expert", "Block_Rows"), i32),
+                  dict(E=257, PER_PROGRAM=1024, BLOCK_E=512, BLOCK_M=64, CHUNK=16)),
     }[step]
     if "Ids" in kernel.arg_names:
         ptrs = {"Ids": i32, **ptrs}
@@ -277,8 +278,8 @@ VARIANTS = {
     "moe both GEMMs, persistent": _moe_persistent,
     "moe align, one program": lambda: _moe_align("one"),
     "moe align, count a slice": lambda: _moe_align("count"),
-    "moe align, scan over slices (DeepSeek-V3's 257 experts)": lambda: _moe_align("scan"),
-    "moe align, place a slice": lambda: _moe_align("place"),
+    "moe align, scan over slices": lambda: _moe_align("scan"),
+    "moe align, place a slice and blocks (DeepSeek-V3's 257 experts)": lambda: _moe_align("place"),
     "mla stage 1, 16 heads, splits": lambda: _mla_stage1(False, False, 16),
     "mla stage 1, 16 heads, one split": lambda: _mla_stage1(True, False, 16),
     "mla stage 1, 64-head wide, fp8": lambda: _mla_stage1(False, True, 64),

@@ -123,6 +123,7 @@ def _crowded_routing(tokens: int, k: int, experts: int, seed: int) -> torch.Tens
     (1, 8, 66, 16, None), (37, 6, 64, 16, None), (64, 8, 66, 64, None), (5, 2, 4, 16, None), (90, 3, 7, 32, None),
     (140, 8, 66, 16, 32),  # 35 slices: more than the scan's tile of 32 slices at 128 padded experts
     (40, 9, 257, 64, 16),  # DeepSeek-V3's 256 routed + 1 shared: 512 padded experts, scan tiles of 8 slices
+    (40, 9, 257, 16, None),  # 6 slices of 64 pairs, 264 blocks: each program writes several 16-block chunks
 ])
 def test_align_lays_out_pairs_as_a_stable_torch_sort(tokens, k, experts, block_m, per_program, one_program,
                                                      monkeypatch):

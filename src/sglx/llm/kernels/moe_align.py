@@ -3,10 +3,10 @@
 Why its own kernels: fused_moe's GEMMs need every block to belong to one expert, and the sort must run on the device
 without a host sync (CUDA graphs capture it). Two launches shapes:
 - few pairs (decode batches): one program walks the pairs twice (counts, then ranks), one launch;
-- many pairs (prefill): three launches that scale with the pairs. Each of many programs counts its slice of pairs
-  per expert; one program turns those counts into each expert's padded start and each slice's first row per
-  expert (an exclusive scan over slices); the programs then place their pairs, ranked within the slice, so the
-  order stays stable across slices.
+- many pairs (prefill, larger decode batches): three launches that scale with the pairs. Each of many programs
+  counts its slice of pairs per expert; one program turns those counts into each expert's padded run and each
+  slice's first row per expert (an exclusive scan over slices); the programs then place their pairs, ranked within
+  the slice, so the order stays stable across slices, and write their share of the block table.
 Both give the same layout (rows past an expert's pairs are left unwritten).
 """
 
@@ -20,12 +20,13 @@ from sglx.attention.kernels.common import num_sms
 
 
 @triton.jit
-def _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, num_blocks,
+def _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, block0, block_step, num_blocks,
                  E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Per block of BLOCK_M sorted rows: its expert (-1: past every expert's run) and how many of its rows are real."""
+    """Per block of BLOCK_M sorted rows: its expert (-1: past every expert's run) and how many of its rows are real;
+    for the CHUNK blocks from `first`, then every `step` blocks on."""
     experts = tl.arange(0, BLOCK_E)
     real = experts < E
-    for start in range(0, num_blocks, CHUNK):
+    for start in range(block0, num_blocks, block_step):
         blocks = start + tl.arange(0, CHUNK)
         row0 = blocks * BLOCK_M
         owner = tl.sum(((pad_end[None, :] <= row0[:, None]) & real[None, :]).to(tl.int32), 1)
@@ -82,7 +83,8 @@ def _align_one_program(Ids, Sorted_Ids, Block_Expert, Block_Rows, num_pairs, num
     counts = _count_pairs(Ids, 0, num_pairs, num_pairs, BLOCK_E, CHUNK)
     pad_start, pad_end = _padded_runs(counts, BLOCK_M)
     _place_pairs(Ids, Sorted_Ids, pad_start, 0, num_pairs, num_pairs, BLOCK_E, CHUNK)
-    _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, num_blocks, E, BLOCK_E, BLOCK_M, CHUNK)
+    _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, 0, CHUNK, num_blocks, E, BLOCK_E, BLOCK_M,
+                 CHUNK)
 
 
 @triton.jit
@@ -96,11 +98,11 @@ def _align_count_kernel(Ids, Slice_Counts, num_pairs, PER_PROGRAM: tl.constexpr,
 
 
 @triton.jit
-def _align_scan_kernel(Slice_Counts, Block_Expert, Block_Rows, num_slices, num_blocks,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SLICES: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """Step 2 of 3 (one program): experts' totals and padded runs, the block table, and in place of each slice's
-    counts its first row per expert (the run's start plus the earlier slices' pairs of that expert)."""
+def _align_scan_kernel(Slice_Counts, Runs, num_slices, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SLICES: tl.constexpr):
+    """Step 2 of 3 (one program): experts' totals and padded runs (Runs: counts, run starts, run ends), and in place
+    of each slice's counts its first row per expert (the run's start plus the earlier slices' pairs of that
+    expert)."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for s0 in range(0, num_slices, SLICES):
@@ -117,17 +119,27 @@ def _align_scan_kernel(Slice_Counts, Block_Expert, Block_Rows, num_slices, num_b
         tile = tl.load(ptrs, mask=live, other=0)
         tl.store(ptrs, tl.cumsum(tile, 0) - tile + running[None, :], mask=live)
         running += tl.sum(tile, 0)
-    _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, num_blocks, E, BLOCK_E, BLOCK_M, CHUNK)
+    tl.store(Runs + experts, counts)
+    tl.store(Runs + BLOCK_E + experts, pad_start)
+    tl.store(Runs + 2 * BLOCK_E + experts, pad_end)
 
 
 @triton.jit
-def _align_place_kernel(Ids, Sorted_Ids, Slice_Counts, num_pairs, PER_PROGRAM: tl.constexpr,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """Step 3 of 3: this program's slice of pairs to their sorted rows."""
+def _align_place_kernel(Ids, Sorted_Ids, Slice_Counts, Runs, Block_Expert, Block_Rows, num_pairs, num_blocks,
+                        E: tl.constexpr, PER_PROGRAM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Step 3 of 3: this program's slice of pairs to their sorted rows, and its share of the block table (CHUNK
+    blocks at a time, every program's CHUNK in turn)."""
     pid = tl.program_id(0)
-    first_row = tl.load(Slice_Counts + pid * BLOCK_E + tl.arange(0, BLOCK_E))
+    experts = tl.arange(0, BLOCK_E)
+    first_row = tl.load(Slice_Counts + pid * BLOCK_E + experts)
     start = pid * PER_PROGRAM
     _place_pairs(Ids, Sorted_Ids, first_row, start, start + PER_PROGRAM, num_pairs, BLOCK_E, CHUNK)
+    counts = tl.load(Runs + experts)
+    pad_start = tl.load(Runs + BLOCK_E + experts)
+    pad_end = tl.load(Runs + 2 * BLOCK_E + experts)
+    _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, pid * CHUNK, tl.num_programs(0) * CHUNK,
+                 num_blocks, E, BLOCK_E, BLOCK_M, CHUNK)
 
 
 # Up to this many pairs one program aligns them (one launch); past it, three launches over many programs.
@@ -172,11 +184,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, one_program: bo
         return sorted_ids, block_expert, block_rows
     per = pairs_per_program(pairs, ids.device, chunk)
     slices = triton.cdiv(pairs, per)
-    slice_counts = torch.empty(slices, block_e, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(slices + 3, block_e, dtype=torch.int32, device=ids.device)
+    slice_counts, runs = scratch[:slices], scratch[slices:]
     _align_count_kernel[(slices,)](flat, slice_counts, pairs, PER_PROGRAM=per, BLOCK_E=block_e, CHUNK=chunk,
                                    num_warps=4)
-    _align_scan_kernel[(1,)](slice_counts, block_expert, block_rows, slices, blocks, E=num_experts, BLOCK_E=block_e,
-                             BLOCK_M=block_m, SLICES=max(1, 4096 // block_e), CHUNK=chunk, num_warps=4)
-    _align_place_kernel[(slices,)](flat, sorted_ids, slice_counts, pairs, PER_PROGRAM=per, BLOCK_E=block_e,
-                                   CHUNK=chunk, num_warps=4)
+    _align_scan_kernel[(1,)](slice_counts, runs, slices, BLOCK_E=block_e, BLOCK_M=block_m,
+                             SLICES=max(1, 4096 // block_e), num_warps=4)
+    _align_place_kernel[(slices,)](flat, sorted_ids, slice_counts, runs, block_expert, block_rows, pairs, blocks,
+                                   E=num_experts, PER_PROGRAM=per, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk,
+                                   num_warps=4)
     return sorted_ids, block_expert, block_rows
