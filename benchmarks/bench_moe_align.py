@@ -23,7 +23,7 @@ from sglx.llm.kernels.fused_moe import moe_block_m  # noqa: E402
 from sglx.llm.kernels.moe_align import moe_align  # noqa: E402
 
 ROUTINGS = {"deepseek-v2-lite": (64, 6, 2), "deepseek-v3": (256, 8, 1)}  # routed experts, top-k, shared experts
-TOKENS = (8, 32, 64, 128, 256, 512, 1024, 4096, 16384, 32768)
+TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 32768)
 GRAPH_CALLS = 20
 
 
