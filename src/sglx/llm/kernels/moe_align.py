@@ -142,8 +142,13 @@ def _align_place_kernel(Ids, Sorted_Ids, Slice_Counts, Runs, Block_Expert, Block
                  num_blocks, E, BLOCK_E, BLOCK_M, CHUNK)
 
 
-# Up to this many pairs one program aligns them (one launch); past it, three launches over many programs.
-ONE_PROGRAM_MAX_PAIRS = 256
+# Up to this many pairs one program aligns them (one launch); past it, three launches over many programs. H200,
+# session 30 (benchmarks/results/s30/call6/moe_align.json, bench_moe_align.py), us a call replayed in a CUDA graph,
+# one program / three launches: DeepSeek-V2-Lite's routing (66 experts, 8 pairs a token) 7.9 / 7.9 at 64 pairs,
+# 12.4 / 8.0 at 128, 26.6 / 7.8 at 512, 163 / 13.1 at 4,096, 62.7 (three launches) at 262,144 where the torch sort
+# takes 239; DeepSeek-V3's (257 experts) 16.8 / 7.0 at 72 pairs, 77.6 / 9.4 at 576. Eagerly the one launch costs
+# the host less (40-50 against 90-120 us a call), so it keeps the smallest batches.
+ONE_PROGRAM_MAX_PAIRS = 64
 # The most pairs one program of the three-launch path counts and places.
 MAX_PAIRS_PER_PROGRAM = 1024
 
