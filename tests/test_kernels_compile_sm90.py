@@ -44,11 +44,11 @@ def _rmsnorm(residual: bool) -> tuple:
     return kernel_source(_rmsnorm_kernel, dict(HAS_RESIDUAL=residual, ROWS=1, BLOCK_N=2048), ptrs, ("eps",)), 4, 1
 
 
-def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False, one_step: bool = False) -> tuple:
+def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tuple:
     from sglx.llm.kernels.gemv import _gemv_kernel
 
     ptrs = dict.fromkeys(("X", "R", "G", "R_Out", "W", "B", "Y"), BF16)
-    block_n, block_k, warps = (4, 2048, 4) if one_step else (4, 1024, 8) if narrow else (8, 512, 4)
+    block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
     consts = dict(NORM=norm, ADD=add, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K")), warps, 3
 
@@ -254,8 +254,6 @@ VARIANTS = {
     "gemv, narrow launch": lambda: _gemv(0, True),
     "gemv with rmsnorm inside": lambda: _gemv(1, True),
     "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
-    "gemv with add + rmsnorm inside, 2,048 inputs in one step, PDL": lambda: _gemv(2, True, pdl=True, one_step=True),
-    "gemv + residual add, 2,048 inputs in one step, PDL": lambda: _gemv(0, True, add=True, pdl=True, one_step=True),
     "rotary": lambda: _rotary(False, 0),
     "rotary + K/V store, fp8 e4m3 pool": lambda: _rotary(True, 1),
     "rotary + K/V store, rows scaled by 1 / rms (batched folded norms)": lambda: _rotary(True, 0, scaled=True),

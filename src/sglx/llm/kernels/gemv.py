@@ -109,20 +109,17 @@ def halves(y, HALF: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
 
 
-def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False,
-                  whole_row: bool = False) -> tuple[int, int, int, int]:
+def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False
+                  ) -> tuple[int, int, int, int]:
     """Measured on the H200 in graphs (bench_gemv.py --sweep, session 23): 8 features x 512 inputs a step and 4
     warps for wide outputs; at most 4,096 features, 4 x 1,024 (4 x 512 past 4,096 inputs) and 8 warps, so the grid
-    still has about 8 programs an SM. whole_row (the plain GEMV; the fused ones were not timed so): at most 2,048
-    inputs are read in one step with 4 warps (session 30, benchmarks/results/s30/call9: DeepSeek-V2-Lite's q + kv_a
-    5.49 against 6.29 us, o_proj 3.74 against 4.08)."""
+    still has about 8 programs an SM."""
     if interpret:
         return config.block_n or 4, config.block_k or 32, 1, 1
     narrow = n <= 4096
-    one_step = whole_row and narrow and k <= 2048
     block_n = config.block_n or (4 if narrow else 8)
-    block_k = config.block_k or (2048 if one_step else 1024 if narrow and k <= 4096 else 512)
-    return block_n, block_k, config.num_warps or (8 if narrow and not one_step else 4), config.num_stages or 3
+    block_k = config.block_k or (1024 if narrow and k <= 4096 else 512)
+    return block_n, block_k, config.num_warps or (8 if narrow else 4), config.num_stages or 3
 
 
 @dataclass(frozen=True)
@@ -176,7 +173,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             mode, r1 = 2, one_row(norm.residual, k, "residual")
             new_residual = torch.empty_like(x1)
             r_out = new_residual
-    block_n, block_k, warps, stages = launch_params(n, k, config, interpret, whole_row=True)
+    block_n, block_k, warps, stages = launch_params(n, k, config, interpret)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x1, r1, g, r_out, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), eps,
         NORM=mode, ADD=add_to is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
