@@ -31,7 +31,8 @@ SHAPES = {"llama qkv": (6144, 4096), "llama o_proj": (4096, 4096), "llama gate_u
           "llama down": (4096, 14336), "llama lm_head": (128256, 4096), "v2-lite q+kv_a": (3648, 2048),
           "v2-lite o_proj": (2048, 2048), "v2-lite lm_head": (102400, 2048)}
 NORMED = ("llama qkv", "llama gate_up", "v2-lite q+kv_a")  # projections that read a residual add + RMSNorm
-SWEEP = [GemvConfig(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) if bn * bk <= 8192]
+SWEEP = [GemvConfig(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048) for w in (4, 8)
+         if bn * bk <= 8192]
 EPS = 1e-5
 Call = Callable[[int], torch.Tensor]
 
