@@ -46,14 +46,14 @@ def test_plan_follows_the_decode_graphs_and_says_why_not():
         "--cuda-graph-max-prefill-tokens 0": prefill_graph_plan(True, "", "triton", True, 0, 4096, 1),
         "the device is cpu": prefill_graph_plan(False, "the device is cpu", "triton", True, None, 4096, 1),
         "flashinfer has no prefill graph support": prefill_graph_plan(True, "", "flashinfer", False, None, 4096, 1),
-        "MLA prefill attention backend flashinfer has no prefill graph support (triton MLA has it, for prompts "
-        "without a cached prefix": prefill_graph_plan(True, "", "flashinfer", False, None, 4096, 1, mla=True),
+        "MLA prefill attention backend flashinfer has no prefill graph support (triton MLA has it":
+            prefill_graph_plan(True, "", "flashinfer", False, None, 4096, 1, mla=True),
         "tensor parallelism": prefill_graph_plan(True, "", "triton", True, None, 4096, 2),
     }
     for why, plan in cases.items():
         assert not plan.enabled and why in plan.why and "off:" in plan.describe(), (why, plan)
     mla_on = prefill_graph_plan(True, "", "triton", True, None, 4096, 1, mla=True)
-    assert mla_on.enabled and "without a cached prefix" in mla_on.why
+    assert mla_on.enabled and "on a cached prefix of at most 1024 tokens" in mla_on.why
 
 
 def _pools() -> tuple[ReqToTokenPool, TokenKVPool]:

@@ -62,7 +62,8 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
                        max_tokens: int | None, context_length: int, tp_size: int, mla: bool = False
                        ) -> PrefillGraphPlan:
     """Prefill graphs follow the decode graphs (device, --disable-cuda-graph, the model) plus their own limits.
-    mla: the model uses multi-head latent attention (triton MLA captures prefills without a cached prefix)."""
+    mla: the model uses multi-head latent attention (triton MLA's graphs take a cached prefix of at most the
+    largest bucket)."""
     limit = DEFAULT_MAX_PREFILL_TOKENS if max_tokens is None else max_tokens
     limit = min(limit, context_length)
     why = ""
@@ -71,9 +72,9 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
     elif not decode_graphs_on:
         why = decode_why
     elif not backend_supports and mla:
-        why = (f"MLA prefill attention backend {backend_name} has no prefill graph support (triton MLA has it, for "
-               "prompts without a cached prefix: --attention-backend triton, or --prefill-attention-backend triton "
-               "with a decode backend that has CUDA graphs)")
+        why = (f"MLA prefill attention backend {backend_name} has no prefill graph support (triton MLA has it: "
+               "--attention-backend triton, or --prefill-attention-backend triton with a decode backend that has "
+               "CUDA graphs)")
     elif not backend_supports:
         why = (f"prefill attention backend {backend_name} has no prefill graph support (triton has it: "
                "--attention-backend triton, or --prefill-attention-backend triton with any decode backend "
@@ -82,7 +83,7 @@ def prefill_graph_plan(decode_graphs_on: bool, decode_why: str, backend_name: st
         why = "tensor parallelism: prefill graphs are captured on one GPU only"
     if why:
         return PrefillGraphPlan(False, limit, (), why)
-    scope = " without a cached prefix (MLA)" if mla else ""
+    scope = f" on a cached prefix of at most {limit} tokens (MLA)" if mla else ""
     return PrefillGraphPlan(True, limit, tuple(prefill_buckets(limit)),
                             f"single-request prefills of up to {limit} tokens{scope} replay captured graphs")
 
