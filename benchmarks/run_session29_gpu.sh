@@ -2,10 +2,12 @@
 # Session 29 on the lent GPU: stages named on the command line run in order; every log and JSON lands in $OUT.
 #   fi       FlashInfer (+ xdist) into /tmp/site from the carried .whl/fi and .whl/xdist (idempotent)
 #   fa4      FA4 from the carried .whl/fa/c* (benchmarks/device_fa4_setup.sh; the cu13 parts collect over calls)
-#   mla      tests/gpu/test_mla_gpu.py -k "576_latent or align or fused_moe" (the hybrid flashinfer-prefill +
+#   mla      tests/gpu/test_mla_gpu.py -k "$MLA_K" (default "576_latent or align or fused_moe": the hybrid flashinfer-prefill +
 #            triton-decode MLA pair, moe_align_by_sort against the kernel, fused MoE)
 #   align    moe_align: the one-program kernel against moe_align_by_sort at 1k-256k pairs (graph-free timing), then
 #            DeepSeek-V2-Lite one-batch at batch 64 with the shipped threshold and with the kernel everywhere
+#            (session 29's code: moe_align_by_sort and ALIGN_KERNEL_MAX_PAIRS left in session 30, so this stage runs
+#            only on a checkout of 207ad53; session 30's `align` stage is benchmarks/bench_moe_align.py)
 #            ($ALIGN_REPS rounds, default 2; 0 for the microbenchmark alone)
 #   diffusers  diffusers (carried .whl/diffusers) into /tmp/site
 #   planning VSA's planning pieces: the block-means kernel over launch shapes, torch.topk + sort against the top-k kernel
@@ -31,7 +33,7 @@ for stage in "$@"; do
       ls /tmp/parts; python3 -c "import flash_attn.cute as c; print('fa4 ok', c.__file__)" 2>&1 | tail -1 ;;
     mla)
       timeout ${MLA_S:-400} python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 -p xdist tests/gpu/test_mla_gpu.py \
-        -k "576_latent or align or fused_moe" 2>&1 | tee "$OUT/mla_tests.txt" | tail -15 ;;
+        -k "${MLA_K:-576_latent or align or fused_moe}" 2>&1 | tee "$OUT/mla_tests.txt" | tail -15 ;;
     align)
       timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/moe_align_micro.txt"
 import json, os, torch, triton.testing as tt

@@ -18,13 +18,11 @@ export PYTHONPATH=$PWD/src:$PWD/tests:$SITE:$SITE/nvidia_cutlass_dsl/dsl_package
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    fi)
-      [ -d $SITE/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE \
-        .whl/fi/*.whl .whl/xdist/*.whl > "$OUT/pip_fi.log" 2>&1; echo "fi rc=$?" ;;
-    mla_tests)
-      timeout ${MLA_S:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 -p xdist tests/gpu/test_mla_gpu.py \
-        -k "${MLA_K:-prefill_graphs or engine_on_gpu or cuda_graphs_equal or 576_latent or one_batch}" 2>&1 \
-        | tee "$OUT/mla_tests.txt" | tail -15 ;;
+    fi)  # the same install as session 29's
+      OUT=$OUT bash benchmarks/run_session29_gpu.sh fi | tail -1 ;;
+    mla_tests)  # session 29's `mla` stage with this session's default selection
+      MLA_K=${MLA_K:-prefill_graphs or engine_on_gpu or cuda_graphs_equal or 576_latent or one_batch} OUT=$OUT \
+        MLA_S=${MLA_S:-420} bash benchmarks/run_session29_gpu.sh mla | tail -15 ;;
     align_tests)
       timeout ${AT_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py \
         -k "align or fused_moe" 2>&1 | tee "$OUT/align_tests.txt" | tail -8 ;;
