@@ -57,6 +57,9 @@ def _impls(name: str, ws: list[torch.Tensor], sweep: bool, gen: torch.Generator
         "norm kernel + cublas": (lambda i: F.linear(fused_add_rms_norm(x, r, g, EPS)[0], ws[i]), normed),
         "norm kernel + gemv": (lambda i: gemv(fused_add_rms_norm(x, r, g, EPS)[0], ws[i])[0], normed),
         "gemv add+norm inside": (lambda i: gemv(x, ws[i], norm=NormInput(g, EPS, r))[0], normed)})
+    for cfg in SWEEP if sweep else ():  # the norm-inside variant at every launch too (the model runs it)
+        impls[f"gemv add+norm inside {cfg.block_n},{cfg.block_k},{cfg.num_warps}"] = (
+            lambda i, cfg=cfg: gemv(x, ws[i], norm=NormInput(g, EPS, r), config=cfg)[0], normed)
     return impls
 
 
@@ -90,8 +93,12 @@ def main() -> None:
         print(f"{name:16s} {n}x{k}: cublas {us['cublas']:.2f} us, skinny {us['skinny']:.2f}, gemv default "
               f"{us['gemv None,None,None']:.2f};"
               f" best {best[1]} {best[0]:.2f} us ({nbytes / best[0] / 1e6 / (bw / 1e12):.0%} of copy)", flush=True)
+        normed_rows = [(r["us_per_call"], lb) for lb, r in rows.items() if "us_per_call" in r and "inside " in lb]
+        if normed_rows:
+            print(f"    best gemv add+norm inside launch: {min(normed_rows)[1][21:]} {min(normed_rows)[0]:.2f} us",
+                  flush=True)
         for label, row in rows.items():
-            if "norm" in label:
+            if "norm" in label and "inside " not in label:
                 print(f"    {label:24s} {row.get('us_per_call', float('nan')):.2f} us {row.get('error', '')}",
                       flush=True)
         if args.out:
