@@ -1,7 +1,7 @@
 """Expert alignment for fused MoE: (token, choice) pairs sorted stably by expert into blocks of BLOCK_M rows.
 
 Why its own kernels: fused_moe's GEMMs need every block to belong to one expert, and the sort must run on the device
-without a host sync (CUDA graphs capture it). Two launches shapes:
+without a host sync (CUDA graphs capture it). Two launch shapes:
 - few pairs (decode batches): one program walks the pairs twice (counts, then ranks), one launch;
 - many pairs (prefill, larger decode batches): three launches that scale with the pairs. Each of many programs
   counts its slice of pairs per expert; one program turns those counts into each expert's padded run and each
@@ -23,7 +23,7 @@ from sglx.attention.kernels.common import num_sms
 def _block_table(counts, pad_start, pad_end, Block_Expert, Block_Rows, block0, block_step, num_blocks,
                  E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """Per block of BLOCK_M sorted rows: its expert (-1: past every expert's run) and how many of its rows are real;
-    for the CHUNK blocks from `first`, then every `step` blocks on."""
+    for the CHUNK blocks from `block0`, then every `block_step` blocks on."""
     experts = tl.arange(0, BLOCK_E)
     real = experts < E
     for start in range(block0, num_blocks, block_step):
@@ -183,7 +183,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, one_program: bo
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     block_e = triton.next_power_of_2(num_experts)
     chunk = _chunk(block_e)
-    if one_program if one_program is not None else pairs <= ONE_PROGRAM_MAX_PAIRS:
+    if pairs <= ONE_PROGRAM_MAX_PAIRS if one_program is None else one_program:
         _align_one_program[(1,)](flat, sorted_ids, block_expert, block_rows, pairs, blocks,
                                  E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
         return sorted_ids, block_expert, block_rows
