@@ -119,13 +119,19 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
         hold valid slots) are expanded; the kernel reads only the keys kv_indptr gives each request."""
         meta = self.meta
         assert meta is not None and meta.qo_indptr is not None
-        keys_n = self._graph_bucket + self.graph_prefix_cap
-        latent = batch.token_kv_pool.get_latent(  # type: ignore[attr-defined]
-            layer.layer_id, meta.kv_indices[:keys_n].long(), q.dtype)
+        self._attend_expanded(q, out, meta.kv_indices[:self._graph_bucket + self.graph_prefix_cap], meta.qo_indptr,
+                              meta.kv_indptr, self._graph_bucket, 0, layer, proj, batch)
+
+    def _attend_expanded(self, q: torch.Tensor, out: torch.Tensor, kv_slots: torch.Tensor, qo_indptr: torch.Tensor,
+                         kv_indptr: torch.Tensor, max_q: int, prefix_tokens: int, layer: MLALayerSpec,
+                         proj: MLAProjections, batch: ForwardBatch) -> None:
+        """The latents at `kv_slots` expanded to per-head K/V (row i = slot i), attended by q through the MHA extend
+        kernel with the given indptrs (offsets into q and into kv_slots)."""
+        latent = batch.token_kv_pool.get_latent(layer.layer_id, kv_slots.long(), q.dtype)  # type: ignore[attr-defined]
         keys, values = expand_latent(latent, proj, layer)
-        rows = torch.arange(keys_n, dtype=torch.int32, device=q.device)
-        extend_attention(q, keys, values, out, meta.qo_indptr, meta.kv_indptr, rows, self._graph_bucket,
-                         layer.scaling, config=self.extend_config, interpret=self.interpret)
+        rows = torch.arange(keys.shape[0], dtype=torch.int32, device=q.device)  # expanded rows, in kv order
+        extend_attention(q, keys, values, out, qo_indptr, kv_indptr, rows, max_q, layer.scaling,
+                         config=self.extend_config, interpret=self.interpret, prefix_tokens=prefix_tokens)
 
     def _extend_groups(self, batch: ForwardBatch, layer: MLALayerSpec, elem: int) -> list[range]:
         """Consecutive request ranges whose expanded K/V fit max_expanded_bytes (at least one request each)."""
@@ -148,16 +154,10 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
         q_lo = sum(batch.extend_seq_lens_cpu[:group.start])
         kv_lo = sum(batch.seq_lens_cpu[:group.start])
         q_hi, kv_hi = q_lo + sum(q_lens), kv_lo + sum(kv_lens)
-        whole = len(group) == batch.batch_size
-        latent = batch.token_kv_pool.get_latent(  # type: ignore[attr-defined]
-            layer.layer_id, meta.kv_indices[kv_lo:kv_hi].long(), q.dtype)
-        keys, values = expand_latent(latent, proj, layer)
-        rows = torch.arange(keys.shape[0], dtype=torch.int32, device=q.device)  # expanded rows, in kv order
-        if whole:
+        if len(group) == batch.batch_size:
             qo_indptr, kv_indptr = meta.qo_indptr, meta.kv_indptr
         else:
             qo_indptr = meta.qo_indptr[group.start:group.stop + 1] - q_lo
             kv_indptr = meta.kv_indptr[group.start:group.stop + 1] - kv_lo
-        extend_attention(q[q_lo:q_hi], keys, values, out[q_lo:q_hi], qo_indptr, kv_indptr, rows,
-                         max(q_lens, default=0), layer.scaling, config=self.extend_config, interpret=self.interpret,
-                         prefix_tokens=sum(kv_lens) - sum(q_lens))
+        self._attend_expanded(q[q_lo:q_hi], out[q_lo:q_hi], meta.kv_indices[kv_lo:kv_hi], qo_indptr, kv_indptr,
+                              max(q_lens, default=0), sum(kv_lens) - sum(q_lens), layer, proj, batch)
