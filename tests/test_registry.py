@@ -35,6 +35,7 @@ IMPLEMENTED = {("llm", "mha", "torch_native"), ("llm", "mha", "triton"), ("llm",
                ("llm", "mha", "flashinfer"), ("llm", "mha", "trtllm_mha"),
                ("llm", "mha", "fa3"), ("llm", "mha", "fa4"),
                ("llm", "mla", "torch_native"), ("llm", "mla", "triton"), ("llm", "mla", "flashinfer"),
+               ("llm", "mla", "fa4"),
                ("diffusion", "dit", "torch_sdpa"),
                ("diffusion", "dit", "fa"), ("diffusion", "dit", "sage_attn"), ("diffusion", "dit", "sliding_tile_attn"),
                ("diffusion", "dit", "video_sparse_attn"), ("diffusion", "dit", "vmoba_attn"),
@@ -121,7 +122,6 @@ MLA_MATRIX = {
     "cutlass_mla": (True, True, True, True, False),
     "trtllm_mla": (True, True, True, True, False),
     "fa3": (False, False, True, True, "page_size=1 only"),
-    "fa4": (False, True, True, False, False),
     "ascend": (False, False, False, False, False),
 }
 
@@ -139,6 +139,17 @@ def test_mla_features_match_support_matrix(name: str) -> None:
     f = spec("llm", "mla", name).features
     assert isinstance(f, LLMFeatures)
     assert (f.fp8_kv, f.fp4_kv, f.chunked_prefix_cache, f.spec_topk1, f.spec_topk_gt1) == MLA_MATRIX[name]
+
+
+def test_fa4_mla_declares_sglx_s_implementation_and_its_decode_rule() -> None:
+    """The matrix's fa4 MLA row (fp4 KV, chunked prefix cache) is SGLang's; sglx's fa4 MLA expands whole prefixes and
+    reads latents in the model dtype, and its decode needs Blackwell and DeepSeek's latent (the absorbed kernels)."""
+    s = spec("llm", "mla", "fa4")
+    f = s.features
+    assert isinstance(f, LLMFeatures) and s.implemented
+    assert (f.fp8_kv, f.fp4_kv, f.chunked_prefix_cache, f.spec_topk1, f.spec_topk_gt1) == (False,) * 5
+    assert [r.describe() for r in s.decode_requires] == ["SM 10.x", "MLA latent dim (kv_lora_rank + "
+                                                                    "qk_rope_head_dim) 576"]
 
 
 def test_mla_backends_sglx_implements_declare_what_they_do() -> None:

@@ -641,6 +641,8 @@ def test_real_registry_explicit_unimplemented_is_an_error(traits: ModelTraits, b
     assert f"  - {NOT_IMPLEMENTED}" in msg.splitlines()
     if traits is MHA:
         assert "Backends that would run here: " in msg and "triton, torch_native" in msg
+    elif backend == "trtllm_mla":  # a B200 with flash_attn.cute: fa4 MLA's absorbed decode runs there too
+        assert "Backends that would run here: flashinfer, triton, fa4, torch_native" in msg
     else:
         assert "Backends that would run here: flashinfer, triton, torch_native" in msg
 

@@ -27,7 +27,15 @@ from sglx.attention.registry import (
     availability,
 )
 from sglx.attention.request import AttentionRequest, Kind
-from sglx.attention.requirements import AnyVariant, CapabilityIn, OnlyOn, OnPlatform, Requirement, device_name
+from sglx.attention.requirements import (
+    AnyVariant,
+    CapabilityIn,
+    Explained,
+    OnlyOn,
+    OnPlatform,
+    Requirement,
+    device_name,
+)
 from sglx.attention.selection import (  # _auto_rule_reasons: the auto-only conditions (fa3 needs CUDA >= 12.3)
     LLMBackendArgs,
     ModelTraits,
@@ -85,6 +93,8 @@ def describe_requirement(req: Requirement) -> str:
         return ", ".join(sm(major, minor) for major, minor in req.allowed)
     if isinstance(req, OnlyOn):
         return f"{describe_requirement(req.inner)} (on {'/'.join(device_name(k) for k in req.kinds)})"
+    if isinstance(req, Explained):
+        return describe_requirement(req.inner)
     if isinstance(req, AnyVariant):
         return "one of: " + "; ".join(
             f"{v.name} ({', '.join(describe_requirement(r) for r in v.requires)})" for v in req.variants)
@@ -94,6 +104,8 @@ def describe_requirement(req: Requirement) -> str:
 def requirements_text(spec: BackendSpec) -> str:
     """Requirements other than the platform, which has its own column."""
     parts = [describe_requirement(r) for r in spec.requires if not isinstance(r, OnPlatform)]
+    if spec.decode_requires:  # a prefill that runs more widely than the decode
+        parts.append("decode: " + ", ".join(describe_requirement(r) for r in spec.decode_requires))
     return "; ".join(parts) or "none"
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 from sglx import __version__
 from sglx.attention.checks import run_check
 from sglx.attention.measured.record import gpu_class
-from sglx.attention.registry import LLMFeatures, all_backends, availability, chosen_variant
+from sglx.attention.registry import LLMFeatures, all_backends, availability, chosen_variant, prefill_only
 from sglx.attention.request import AttentionRequest, Family
 from sglx.attention.requirements import device_name
 from sglx.attention.selection import LLMBackendArgs, ModelTraits, select_diffusion, select_llm
@@ -60,7 +60,8 @@ def _backend_rows(snap: PlatformSnapshot, family: Family, kind: str) -> list[dic
     for spec in all_backends(family, kind):  # type: ignore[arg-type]
         avail = availability(spec, snap, AttentionRequest(family=family, kind=spec.kind))
         row: dict[str, Any] = {"name": spec.name, "aliases": list(spec.aliases), "title": spec.title,
-                               "implemented": spec.implemented, "usable": avail.ok, "reasons": list(avail.reasons)}
+                               "implemented": spec.implemented, "usable": avail.ok, "reasons": list(avail.reasons),
+                               "prefill_only": prefill_only(spec, snap)}  # usable as --prefill-attention-backend
         variant = chosen_variant(spec, snap) if avail.ok else None
         if variant is not None:  # which kernel of a several-kernel backend (fa: FA3 | FA4 | FA2) runs here
             row["variant"] = f"{variant.name} ({variant.module})"
@@ -104,7 +105,7 @@ def build_report(snap: PlatformSnapshot, family: Family | None = None, check: bo
         if check:
             results = []
             for spec in all_backends(fam, kind):  # type: ignore[arg-type]
-                if spec.implemented and availability(spec, snap).ok:
+                if spec.implemented and (availability(spec, snap).ok or prefill_only(spec, snap)):
                     if on_check:
                         on_check(f"{fam}/{kind}/{spec.name}")
                     results.append(asdict(run_check(spec, snap)))
@@ -165,7 +166,7 @@ def _section_table(section: dict[str, Any]) -> Table:
     table.add_column("why not / notes")
     for row in section["backends"]:
         name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
-        mark = "[green]yes[/]" if row["usable"] else "[red]no[/]"
+        mark = "[green]yes[/]" if row["usable"] else "[yellow]prefill[/]" if row.get("prefill_only") else "[red]no[/]"
         notes = "; ".join(row["reasons"])
         if row["usable"] and row.get("variant"):
             notes = f"runs {row['variant']}"

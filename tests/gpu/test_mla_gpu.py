@@ -247,6 +247,76 @@ def test_triton_mla_prefill_graphs_equal_eager_prefill(deepseek: dict, arch: str
     assert outs[0][:2] == [r[:12] for r in refs]
 
 
+def _fa4_prefill_or_skip() -> None:
+    from sglx import platform
+    from sglx.attention.registry import availability, find
+    from sglx.attention.request import AttentionRequest
+
+    verdict = availability(find("fa4", "llm", "mla"), platform.current(), AttentionRequest(kind="mla", phase="prefill"))
+    if not verdict.ok:
+        pytest.skip(f"fa4 MLA prefill cannot run here: {verdict.reasons}")
+
+
+@pytest.mark.parametrize("page", [1, 64])
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-call", "a-call-per-request"])
+def test_fa4_mla_extend_real_shapes_match_float64(page: int, budget: int | None) -> None:
+    """fa4 MLA's expanded-latent extend at DeepSeek-V2-Lite's attention shape (16 heads, nope 128 + rope 64, v 128,
+    latent 512 + 64), bf16, over cached prefixes of up to 3,000 keys on scattered pages, against float64; with a
+    1-byte budget each request is its own FA4 call."""
+    _fa4_prefill_or_skip()
+    from sglx.attention.llm.base import BackendContext
+    from sglx.attention.llm.fa4_mla import FA4MLABackend
+    from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
+    from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+    from sglx.llm.kv_cache import ReqToTokenPool
+    from sglx.llm.mla_kv_cache import MLATokenKVPool
+
+    heads, dn, dr, dv, r, dtype = 16, 128, 64, 128, 512, torch.bfloat16
+    spec = MLALayerSpec(0, heads, dn, dr, dv, r, (dn + dr) ** -0.5)
+    prefix, new = [0, 700, 3000, 129], [512, 33, 1, 200]
+    totals = [p + n for p, n in zip(prefix, new)]
+    gen = torch.Generator().manual_seed(page)
+    num_slots = (sum(-(-t // page) for t in totals) + 2) * page
+    r2t = ReqToTokenPool(len(totals) + 1, max(totals) + page, DEV)
+    pool = MLATokenKVPool(num_slots, page, 1, r, dr, dtype, "auto", DEV)
+    pages = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
+    rows, latents = [], []
+    for t in totals:
+        row = r2t.alloc()
+        mine = [pages.pop() for _ in range(-(-t // page))]
+        r2t.req_to_token[row, :t] = torch.tensor([p * page + j for p in mine for j in range(page)][:t],
+                                                 dtype=torch.int32, device=DEV)
+        rows.append(row)
+        latents.append(torch.randn(t, r + dr, generator=gen).to(DEV, dtype))
+    for row, p, lat in zip(rows, prefix, latents):
+        if p:
+            pool.set_latent(0, r2t.req_to_token[row, :p].long(), lat[:p, :r], lat[:p, r:])
+    proj = MLAProjections.from_kv_b_proj((torch.randn(heads * (dn + dv), r, generator=gen) * r ** -0.5).to(DEV, dtype),
+                                         spec)
+    backend = FA4MLABackend(BackendContext(torch.device(DEV), dtype, heads, 1, r + dr, page, r2t, pool))
+    if budget is not None:
+        backend.max_expanded_bytes = budget
+    q_nope = torch.randn(sum(new), heads, dn, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(sum(new), heads, dr, generator=gen).to(DEV, dtype)
+    fresh = torch.cat([lat[p:] for lat, p in zip(latents, prefix)])
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND, input_ids=torch.zeros(sum(new), dtype=torch.long, device=DEV),
+        positions=torch.cat([torch.arange(p, t) for p, t in zip(prefix, totals)]).to(DEV),
+        req_pool_indices=torch.tensor(rows, device=DEV), seq_lens=torch.tensor(totals, device=DEV),
+        out_cache_loc=torch.cat([r2t.req_to_token[w, p:t].long() for w, p, t in zip(rows, prefix, totals)]),
+        req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend, seq_lens_cpu=totals,  # type: ignore[arg-type]
+        extend_seq_lens_cpu=new, extend_prefix_lens_cpu=prefix)
+    backend.init_forward_metadata(batch)
+    out = backend.forward_mla(q_nope, q_pe, fresh[:, :r], fresh[:, r:], spec, proj, batch)
+    offset = 0
+    for i, (p, t) in enumerate(zip(prefix, totals)):
+        ref = reference_mla(q_nope[offset:offset + t - p], q_pe[offset:offset + t - p], latents[i], proj.w_uk,
+                            proj.w_uv, torch.arange(p, t, device=DEV), spec.scaling)
+        assert (out[offset:offset + t - p].double() - ref).abs().max().item() < TOL[dtype], i
+        offset += t - p
+
+
 def _flashinfer_or_skip() -> None:
     from sglx import platform
     from sglx.attention.registry import availability, find
@@ -351,8 +421,9 @@ def _assert_greedy_under_hf(hf, prompt: list[int], tokens: list[int]) -> None:
     assert (gap == 0).float().mean().item() >= 0.75, gap.tolist()
 
 
-@pytest.mark.parametrize("pair", [("flashinfer", "flashinfer"), ("triton", "triton"), ("flashinfer", "triton")],
-                         ids=["flashinfer", "triton", "flashinfer-prefill-triton-decode"])
+@pytest.mark.parametrize("pair", [("flashinfer", "flashinfer"), ("triton", "triton"), ("flashinfer", "triton"),
+                                  ("fa4", "triton")],
+                         ids=["flashinfer", "triton", "flashinfer-prefill-triton-decode", "fa4-prefill-triton-decode"])
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_bf16_engine_576_latent_vs_hf_and_graphs(deepseek_576: dict, arch: str, pair: tuple[str, str]) -> None:
     """bf16 engine (page size 1) on a 512 + 64 latent: greedy tokens are transformers' (teacher-forced, within bf16
@@ -362,6 +433,8 @@ def test_bf16_engine_576_latent_vs_hf_and_graphs(deepseek_576: dict, arch: str, 
 
     if "flashinfer" in pair:
         _flashinfer_or_skip()
+    if "fa4" in pair:
+        _fa4_prefill_or_skip()
     path, prompts, hf = deepseek_576[arch]
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     outs = []
@@ -472,18 +545,18 @@ def test_dummy_deepseek_v2_lite_one_batch(tmp_path: Path) -> None:
         assert result["ratio_to_floor"] < (3.5 if result["batch_size"] == 1 else 1.6), result  # regression guards
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch_native"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "torch_native", "fa4"])
 def test_doctor_check_mla_backends(backend: str) -> None:
     """doctor --check's MLA problem (latent 512 + rope 64, extend over cached prefixes then decode, bf16) per backend.
 
     FlashInfer needs its wheels (see /work/shared/DEVICE.md); without them the test skips."""
     from sglx import platform
     from sglx.attention.checks import run_check
-    from sglx.attention.registry import availability, find
+    from sglx.attention.registry import availability, find, prefill_only
 
     spec = find(backend, "llm", "mla")
     snap = platform.current()
-    if not availability(spec, snap).ok:
+    if not availability(spec, snap).ok and not prefill_only(spec, snap):  # fa4 on Hopper: its extend alone
         pytest.skip(f"{backend} MLA cannot run here: {availability(spec, snap).reasons}")
     result = run_check(spec, snap)
     assert result.status == "pass", result

@@ -12,6 +12,7 @@ from sglx.attention.requirements import (
     CapabilityIn,
     CpuFlags,
     Dtypes,
+    Explained,
     HeadDims,
     OnPlatform,
     Package,
@@ -244,12 +245,25 @@ register(BackendSpec(
 
 register(BackendSpec(
     name="fa4", family="llm", kind="mla", title="FlashAttention 4 (MLA)",
-    summary="FlashAttention 4 MLA (prefill), SM90/SM100.",
-    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",))),
-    # The matrix lists native page size 1, but unlike FlashInfer MLA it is not a hard constraint: the seeds
+    summary="FlashAttention 4 MLA: expanded-latent prefill on SM90/SM100, absorbed decode on SM100.",
+    requires=(CUDA, CapabilityIn(((9, 0), (10, None))), Package(("flash_attn.cute",)), FLASH_DTYPES),
+    # flash-attn-4 4.0.0b36 runs the absorbed MLA form (qv: latent 512 + rope 64) on SM100/SM110 only; its
+    # prefill here is the non-absorbed form, an ordinary (192, 128) head-dim kernel that Hopper runs too.
+    decode_requires=(Explained(CapabilityIn(((10, None),)), "flash-attn-4's absorbed MLA kernels (qv) are "
+                               "Blackwell-only"),
+                     HeadDims(allowed=(576,), what="MLA latent dim (kv_lora_rank + qk_rope_head_dim)")),
+    # The matrix lists native page size 1; FA4 reads any page size (TMA at 128, cp.async otherwise), and the seeds
     # pair `--prefill-attention-backend fa4` with trtllm_mla decode, which needs page size 32 or 64.
-    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=True, spec_topk1=False, spec_topk_gt1=False,
-                         chunked_prefix_cache=True, native_sizes_note="1"),
+    features=LLMFeatures(native_paging=True, fp8_kv=False, fp4_kv=False, spec_topk1=False, spec_topk_gt1=False,
+                         chunked_prefix_cache=False, native_sizes_note="1", cuda_graph=True),
+    factory="sglx.attention.llm.fa4_mla:FA4MLABackend",
+    notes="Prefill/extend: each request's latents (cached prefix and new) expanded per head to K = [c W_UK, k_pe] "
+          "and V = c W_UV, then flash_attn_varlen_func (ragged, causal, queries aligned to the end of their keys). "
+          "Decode (SM100): the absorbed form, q_pe / q_nope W_UK as q / qv against the latent pool's pages as "
+          "k_pe / c_kv, W_UV after, decode in CUDA graphs. On Hopper only its prefill runs "
+          "(--prefill-attention-backend fa4 with triton or flashinfer decode). The calls are tested on CPU "
+          "against a float64 stand-in of FA4's documented contract; the SM100 decode is NOT verified (no "
+          "Blackwell GPU is lent).",
 ))
 
 register(BackendSpec(

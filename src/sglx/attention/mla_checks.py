@@ -18,10 +18,12 @@ H, DN, DR, DV, R = 8, 32, 64, 32, 512  # DeepSeek's latent 512 + rope 64: what e
 
 def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device, dtype: torch.dtype
                 ) -> tuple[float, float, str]:
-    """(max abs error vs float64, ms, shape) for one ragged batch: an EXTEND step then a DECODE step."""
+    """(max abs error vs float64, ms, shape) for one ragged batch: an EXTEND step then a DECODE step (the EXTEND
+    step alone for a backend whose decode does not run here, `prefill_only`)."""
     from sglx.attention.llm.base import BackendContext
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
     from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.attention.registry import prefill_only
     from sglx.llm.forward_batch import ForwardBatch, ForwardMode
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
@@ -54,7 +56,8 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
     backend = spec.load()(ctx)
     worst, elapsed = 0.0, 0.0
     lo, hi = prefix_lens, [p + e for p, e in zip(prefix_lens, extend_lens)]
-    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+    decode = not prefill_only(spec, snap)
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE) if decode else (ForwardMode.EXTEND,):
         n_new = [b - a for a, b in zip(lo, hi)]
         q_nope = torch.randn(sum(n_new), H, DN, generator=gen).to(device, dtype)
         q_pe = torch.randn(sum(n_new), H, DR, generator=gen).to(device, dtype)
@@ -84,5 +87,5 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
             offset += b - a
         lo, hi = hi, [b + 1 for b in hi]
     shape = (f"MLA bs=3 H={H} latent {R}+{DR} nope {DN} v {DV} page={page} prefix={prefix_lens} "
-             f"extend={extend_lens} +1 decode")
+             f"extend={extend_lens}" + (" +1 decode" if decode else " (prefill only here)"))
     return worst, elapsed * 1e3, shape

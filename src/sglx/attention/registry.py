@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sglx.attention.request import AttentionRequest, Family, Kind
@@ -113,6 +113,9 @@ class BackendSpec:
     config: tuple[ConfigParam, ...] = ()
     factory: str | None = None  # "module:attr", imported only when chosen; None = not implemented yet
     notes: str = ""
+    # What serving decode needs beyond `requires`: a backend whose decode kernel is narrower than its prefill
+    # (fa4 MLA: the absorbed kernels are Blackwell-only) still runs prefill where only these fail.
+    decode_requires: tuple[Requirement, ...] = ()
 
     @property
     def implemented(self) -> bool:
@@ -229,7 +232,20 @@ def availability(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionReques
         reasons.append(NOT_IMPLEMENTED)
     reasons.extend(r for r in (q.check(snap, req) for q in spec.requires) if r)
     reasons.extend(iter_feature_reasons(spec, snap, req))
+    if req.phase != "prefill":
+        decode = [f"its decode {r}" for r in (q.check(snap, req) for q in spec.decode_requires) if r]
+        if decode and not reasons and req.phase is None:  # say what does run
+            decode.append(f"its prefill runs here: --prefill-attention-backend {spec.name} with another "
+                          "--decode-attention-backend")
+        reasons.extend(decode)
     return Availability(ok=not reasons, reasons=tuple(reasons))
+
+
+def prefill_only(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionRequest | None = None) -> bool:
+    """Whether only the prefill phase of `spec` runs here (its decode needs what this machine lacks)."""
+    req = req or AttentionRequest(family=spec.family, kind=spec.kind)
+    return (not availability(spec, snap, replace(req, phase=None)).ok
+            and availability(spec, snap, replace(req, phase="prefill")).ok)
 
 
 def chosen_variant(spec: BackendSpec, snap: PlatformSnapshot, req: AttentionRequest | None = None) -> Variant | None:
@@ -254,5 +270,6 @@ __all__ = [
     "chosen_variant",
     "backend_names",
     "find",
+    "prefill_only",
     "register",
 ]

@@ -7,6 +7,7 @@ from typing import Literal
 
 Family = Literal["llm", "diffusion"]
 Kind = Literal["mha", "mla", "dit"]
+Phase = Literal["prefill", "decode"]
 
 DTYPES = ("float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
@@ -25,6 +26,9 @@ class AttentionRequest:
     sliding_window: bool = False
     spec_topk: int | None = None
     multimodal: bool = False
+    # Which phase the backend would serve: None = both (--attention-backend), else one (the hybrid flags). Only
+    # backends whose decode needs more than their prefill (`BackendSpec.decode_requires`) answer differently.
+    phase: Phase | None = None
 
     @property
     def fp8_kv(self) -> bool:

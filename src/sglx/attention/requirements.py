@@ -251,6 +251,21 @@ class OnlyOn(Requirement):
         return f"{self.inner.describe()} (on {'/'.join(device_name(k) for k in self.kinds)})"
 
 
+@dataclass(frozen=True)
+class Explained(Requirement):
+    """A requirement whose failure needs its cause said too (a vendor kernel narrower than its package)."""
+
+    inner: Requirement
+    why: str
+
+    def check(self, snap: PlatformSnapshot, req: AttentionRequest) -> str | None:
+        reason = self.inner.check(snap, req)
+        return f"{reason} ({self.why})" if reason else None
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
 def platforms_of(requires: Iterable[Requirement]) -> tuple[str, ...]:
     """The device kinds a backend can run on, as its OnPlatform requirement states (all when absent)."""
     for r in requires:

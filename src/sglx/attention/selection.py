@@ -20,7 +20,7 @@ from sglx.attention.registry import (
     backend_names,
     find,
 )
-from sglx.attention.request import AttentionRequest, Family, Kind
+from sglx.attention.request import AttentionRequest, Family, Kind, Phase
 from sglx.attention.requirements import CudaAtLeast, device_name
 from sglx.errors import BackendUnavailableError
 from sglx.platform import PlatformSnapshot
@@ -271,7 +271,7 @@ def _auto_measured(
             spec = find(name, "llm", req.kind)
             if spec is None:
                 continue
-            reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, req).reasons,
+            reasons = [*_auto_rule_reasons(name, snap), *availability(spec, snap, replace(req, phase=phase)).reasons,
                        *_page_conflict(spec, fixed, snap, req)]
             merged = tuple(dict.fromkeys([*(considered[name].reasons if name in considered else ()), *reasons]))
             considered[name] = Considered(name, not merged, merged)
@@ -371,6 +371,15 @@ def _page_size(specs: list[BackendSpec], snap: PlatformSnapshot, requested: int 
     return max(allowed)
 
 
+def _phase_served(flag: str, phase_flags: dict[str, str | None]) -> Phase | None:
+    """The phase a backend named by `flag` (or picked by auto) serves: a phase flag its own, --attention-backend and
+    auto whichever phase no phase flag took (None: both)."""
+    if flag in phase_flags:
+        return "prefill" if flag == "--prefill-attention-backend" else "decode"
+    free = [p for p in ("prefill", "decode") if not phase_flags[f"--{p}-attention-backend"]]
+    return free[0] if len(free) == 1 else None  # type: ignore[return-value]
+
+
 def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs) -> LLMSelection:
     """Prefill and decode backends plus the page size, or BackendUnavailableError with reasons."""
     if args.page_size is not None and args.page_size < 1:
@@ -381,12 +390,12 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
         multimodal=traits.multimodal,
     )
     explicit: dict[str, tuple[BackendSpec, str]] = {}
-    for flag, value in (("--attention-backend", args.attention_backend),
-                        ("--prefill-attention-backend", args.prefill_attention_backend),
-                        ("--decode-attention-backend", args.decode_attention_backend)):
+    phase_flags = {"--prefill-attention-backend": args.prefill_attention_backend,
+                   "--decode-attention-backend": args.decode_attention_backend}
+    for flag, value in (("--attention-backend", args.attention_backend), *phase_flags.items()):
         if value:
             spec = _resolve(value, "llm", traits.kind, flag)
-            _explicit(spec, snap, req, flag)
+            _explicit(spec, snap, replace(req, phase=_phase_served(flag, phase_flags)), flag)
             explicit[flag] = (spec, flag)
     considered: tuple[Considered, ...] = ()
     measured: tuple[PhaseRanking, ...] = ()
@@ -401,7 +410,8 @@ def select_llm(snap: PlatformSnapshot, traits: ModelTraits, args: LLMBackendArgs
         fixed = tuple((flag, spec) for flag, (spec, _) in explicit.items() if flag != "--attention-backend")
         record = record_for(snap)
         if record is None:
-            base_name, why, considered = _auto_llm(snap, req, fixed)
+            base_name, why, considered = _auto_llm(snap, replace(req, phase=_phase_served("auto", phase_flags)),
+                                                   fixed)
             why += _no_record_note(snap)
         else:
             phases = tuple(p for p in ("decode", "prefill") if f"--{p}-attention-backend" not in explicit)

@@ -30,6 +30,7 @@ from sglx.attention.llm.mla_base import (
     absorb_q,
     apply_uv,
     expand_latent,
+    expansion_groups,
 )
 from sglx.attention.llm.triton import TritonBackend
 from sglx.llm.forward_batch import ForwardBatch
@@ -135,15 +136,7 @@ class TritonMLABackend(MLAAttentionBackend, TritonBackend):
 
     def _extend_groups(self, batch: ForwardBatch, layer: MLALayerSpec, elem: int) -> list[range]:
         """Consecutive request ranges whose expanded K/V fit max_expanded_bytes (at least one request each)."""
-        per_key = layer.num_heads * (layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim) * elem
-        groups, start, keys = [], 0, 0
-        for i, n in enumerate(batch.seq_lens_cpu):
-            if i > start and (keys + n) * per_key > self.max_expanded_bytes:
-                groups.append(range(start, i))
-                start, keys = i, 0
-            keys += n
-        groups.append(range(start, batch.batch_size))
-        return groups
+        return expansion_groups(batch.seq_lens_cpu, layer, elem, self.max_expanded_bytes)
 
     def _extend_group(self, q: torch.Tensor, out: torch.Tensor, group: range, layer: MLALayerSpec,
                       proj: MLAProjections, batch: ForwardBatch) -> None:
