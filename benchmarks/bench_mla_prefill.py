@@ -61,15 +61,21 @@ def make_step(heads: int, new: int, prefix: int, bs: int, dev: str, dtype: torch
     return r2t, pool, spec, proj, q_nope, q_pe, batch
 
 
-def time_backend(name: str, step, dev: str, dtype: torch.dtype, reps: int) -> float:  # type: ignore[no-untyped-def]
+def time_backend(name: str, step, dev: str, dtype: torch.dtype, reps: int,  # type: ignore[no-untyped-def]
+                 return_out: bool = False):
+    """Median ms of one layer's extend on backend `name` (and its output with return_out)."""
     r2t, pool, spec, proj, q_nope, q_pe, fields = step
     ctx = BackendContext(torch.device(dev), dtype, spec.num_heads, 1, R + DR, 1, r2t, pool)
     backend = find(name, "llm", "mla").load()(ctx)
+    override = getattr(type(backend), "extend_config_override", None)  # set by sweep_mla_extend.py
+    if override is not None:
+        backend.extend_config = override
     batch = ForwardBatch(attn_backend=backend, **fields)
+    out = []
 
     def run() -> None:
         backend.init_forward_metadata(batch)
-        backend.forward_mla(q_nope, q_pe, None, None, spec, proj, batch, save_kv_cache=False)
+        out[:] = [backend.forward_mla(q_nope, q_pe, None, None, spec, proj, batch, save_kv_cache=False)]
 
     for _ in range(3):
         run()
@@ -82,7 +88,7 @@ def time_backend(name: str, step, dev: str, dtype: torch.dtype, reps: int) -> fl
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return (statistics.median(times), out[0]) if return_out else statistics.median(times)
 
 
 def main() -> None:

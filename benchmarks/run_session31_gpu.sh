@@ -5,6 +5,12 @@
 #   fa4_tests  tests/gpu/test_mla_gpu.py -k "$FA4_K" (default: every fa4 MLA case and the triton / flashinfer
 #              576-latent pairs beside them)
 #   prefill    benchmarks/bench_mla_prefill.py: one layer's MLA extend, triton against fa4 (and flashinfer)
+#   sweep      benchmarks/sweep_mla_extend.py: triton MLA extend launches at the expanded head dims (192 / 128)
+#   router     benchmarks/bench_moe_router.py: the fused router's launches at V2-Lite's batch-1 shape, in graphs
+#   gemv       benchmarks/bench_gemv.py --sweep at V2-Lite's q + kv_a and o_proj (norm-inside variants too)
+#   gemv_ab    tests/gpu/test_gemv*_gpu.py, then DeepSeek-V2-Lite one-batch bs $GA_BS (default 1; triton, dummy bf16,
+#              input 512, output 64) with the short-row GEMV launches ("new") against without them ("old"), fresh
+#              processes alternated new old old new (x $GA_ROUNDS, default 1)
 #   ds         DeepSeek-V2-Lite one-batch (dummy bf16, input 512, output 32) at $DS_BS (default 1,64): triton for
 #              both phases against fa4 prefill + triton decode, fresh processes alternated t f f t
 set -u
@@ -28,6 +34,36 @@ for stage in "$@"; do
     prefill)
       PYTHONPATH=$PWD/src:$PWD/tests:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages timeout 300 \
         python3 benchmarks/bench_mla_prefill.py --out "$OUT/mla_prefill.json" 2>&1 | tail -20 ;;
+    sweep)
+      PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks timeout 400 \
+        python3 benchmarks/sweep_mla_extend.py --out "$OUT/sweep_mla_extend.json" 2>&1 | tail -60 ;;
+    router)
+      PYTHONPATH=$PWD/src timeout 200 python3 benchmarks/bench_moe_router.py --out "$OUT/moe_router.json" 2>&1 | tail -15 ;;
+    gemv)
+      PYTHONPATH=$PWD/src timeout 300 python3 benchmarks/bench_gemv.py --sweep --shapes "v2-lite q+kv_a,v2-lite o_proj" \
+        --out "$OUT/gemv_sweep.json" 2>&1 | tail -40 ;;
+    gemv_ab)
+      PYTHONPATH=$PWD/src:$PWD/tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu/test_gemv_gpu.py tests/gpu/test_gemv_fused_gpu.py 2>&1 | tee "$OUT/gemv_tests.txt" | tail -3
+      for round in $(seq ${GA_ROUNDS:-1}); do
+      for v in new old old new; do
+        PYTHONPATH=$PWD/src timeout 200 python3 -c "
+import sys
+if '$v' == 'old':  # every GEMV on the launches before session 31
+    from sglx.llm.kernels import gemv as g
+    plain = g.launch_params
+    g.launch_params = lambda n, k, config=g.GemvConfig(), interpret=False, short_rows=None: plain(n, k, config, interpret)
+from sglx.cli.app import main
+sys.argv = ['sglx'] + sys.argv[1:]
+main()" bench one-batch --model-path deepseek-v2-lite --load-format dummy --dtype bfloat16 \
+          --attention-backend triton --batch-size ${GA_BS:-1} --input-len 512 --output-len 64 \
+          --max-total-tokens 65536 --output "$OUT/gemv_ab_${v}_$round.json" > "$OUT/gemv_ab_${v}_$round.log" 2>&1
+        python3 -c "
+import json
+for r in json.load(open('$OUT/gemv_ab_${v}_$round.json'))['results']:
+    print('$v bs', r['batch_size'], 'decode', round(r['decode_step_ms_median'], 4), 'x floor', round(r['ratio_to_floor'], 3))" \
+          || tail -5 "$OUT/gemv_ab_${v}_$round.log"
+      done; done ;;
     ds)
       n=0
       for v in triton fa4 fa4 triton; do

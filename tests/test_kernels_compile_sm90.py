@@ -44,11 +44,14 @@ def _rmsnorm(residual: bool) -> tuple:
     return kernel_source(_rmsnorm_kernel, dict(HAS_RESIDUAL=residual, ROWS=1, BLOCK_N=2048), ptrs, ("eps",)), 4, 1
 
 
-def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False) -> tuple:
-    from sglx.llm.kernels.gemv import _gemv_kernel
+def _gemv(norm: int, narrow: bool, add: bool = False, pdl: bool = False, short: bool = False) -> tuple:
+    from sglx.llm.kernels.gemv import _gemv_kernel, launch_params
 
     ptrs = dict.fromkeys(("X", "R", "G", "R_Out", "W", "B", "Y"), BF16)
-    block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
+    if short:  # the short-row launches, as `gemv` picks them for 2,048 inputs
+        block_n, block_k, warps, _ = launch_params(2048, 2048, short_rows="normed" if norm else "plain")
+    else:
+        block_n, block_k, warps = (4, 1024, 8) if narrow else (8, 512, 4)
     consts = dict(NORM=norm, ADD=add, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
     return kernel_source(_gemv_kernel, consts, ptrs, ("eps",), div16=("N", "K")), warps, 3
 
@@ -254,6 +257,10 @@ VARIANTS = {
     "gemv, narrow launch": lambda: _gemv(0, True),
     "gemv with rmsnorm inside": lambda: _gemv(1, True),
     "gemv with add + rmsnorm inside": lambda: _gemv(2, False),
+    "gemv with add + rmsnorm inside, short rows (8 x 1,024, 4 warps), PDL":
+        lambda: _gemv(2, True, pdl=True, short=True),
+    "gemv + residual add, short rows (the whole 2,048 in one step), PDL":
+        lambda: _gemv(0, True, add=True, pdl=True, short=True),
     "rotary": lambda: _rotary(False, 0),
     "rotary + K/V store, fp8 e4m3 pool": lambda: _rotary(True, 1),
     "rotary + K/V store, rows scaled by 1 / rms (batched folded norms)": lambda: _rotary(True, 0, scaled=True),

@@ -19,18 +19,27 @@ def _rand(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch
     return (torch.randn(*shape, device=DEV, generator=gen) * scale).to(dtype)
 
 
+def _fused_launch(rows: int, k: int):  # type: ignore[no-untyped-def]
+    """The launch the fused GEMVs take for a [rows, k] weight, as a config for the plain one (same sum order)."""
+    from sglx.llm.kernels.gemv import GemvConfig, launch_params
+
+    block_n, block_k, warps, _ = launch_params(rows, k)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=warps)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_out,k", [(14336, 4096), (1408, 2048), (1000, 1000), (1001, 1000)])
 def test_gated_gemv_equals_gemv_then_silu_and_mul(n_out, k, dtype):
-    """The vector-load route bit for bit; the TMA route (its own tiles, so its own float32 sum order) within the
-    unfused kernels' own error against float64."""
+    """The vector-load route bit for bit (the plain GEMV on the fused one's launch: short rows take other launches
+    on the plain one); the TMA route (its own tiles, so its own float32 sum order) within the unfused kernels' own
+    error against float64."""
     from sglx.llm.kernels.activation import silu_and_mul
     from sglx.llm.kernels.gemv import GemvConfig, gemv
     from sglx.llm.kernels.gemv_gated import gemv_gated, tma_route
 
     x, w = _rand(1, k, seed=1, scale=2.0, dtype=dtype), _rand(2 * n_out, k, seed=2, scale=k ** -0.5, dtype=dtype)
     b = _rand(2 * n_out, seed=3, dtype=dtype)
-    unfused = silu_and_mul(gemv(x, w, b)[0])
+    unfused = silu_and_mul(gemv(x, w, b, config=_fused_launch(2 * n_out, k))[0])
     assert torch.equal(gemv_gated(x, w, b, config=GemvConfig(tma=False)), unfused)
     assert tma_route(w, GemvConfig(), interpret=False)
     gu = x.double() @ w.double().t() + b.double()
@@ -59,7 +68,7 @@ def test_rotary_gemv_equals_gemv_then_rotary_and_store(hq, hkv, d, k, kv_cache_d
     slots = [StepKVSlots(p.k_buffer[0], p.v_buffer[0], loc, float(p.k_scale[0]), float(p.v_scale[0]), p.fp8_dtype)
              for p in pools]
     q = gemv_rotary_store(x, w, b, cos, sin, hq, hkv, slots[0])
-    q2, k2, v2 = gemv(x, w, b)[0].split([hq * d, hkv * d, hkv * d], dim=-1)
+    q2, k2, v2 = gemv(x, w, b, config=_fused_launch(rows, k))[0].split([hq * d, hkv * d, hkv * d], dim=-1)
     q2, k2 = q2.reshape(1, hq, d).clone(), k2.reshape(1, hkv, d).clone()
     s = slots[1]
     apply_rotary_and_store_(q2, k2, v2.reshape(1, hkv, d), cos, sin, s.k_buffer, s.v_buffer, loc, s.k_scale,

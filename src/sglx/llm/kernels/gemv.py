@@ -109,14 +109,24 @@ def halves(y, HALF: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
 
 
-def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False
-                  ) -> tuple[int, int, int, int]:
+SHORT_ROWS = 2048  # inputs up to which the plain GEMV takes its short-row launches (`launch_params`)
+
+
+def launch_params(n: int, k: int, config: GemvConfig = GemvConfig(), interpret: bool = False,
+                  short_rows: str | None = None) -> tuple[int, int, int, int]:
     """Measured on the H200 in graphs (bench_gemv.py --sweep, session 23): 8 features x 512 inputs a step and 4
     warps for wide outputs; at most 4,096 features, 4 x 1,024 (4 x 512 past 4,096 inputs) and 8 warps, so the grid
-    still has about 8 programs an SM."""
+    still has about 8 programs an SM. short_rows ("plain" or "normed", the plain GEMV `gemv` only: the fused ones
+    were not swept so) with at most SHORT_ROWS inputs on at most 4,096 features: 4 warps, and 4 x 2,048 (the whole
+    row in one step) plain, 8 x 1,024 with the norm inside (session 31 sweep, benchmarks/results/s31/call6,
+    DeepSeek-V2-Lite: q + kv_a 5.49 against 6.29 us plain and 6.15 against 7.43 with add + norm inside, o_proj 3.73
+    against 4.08)."""
     if interpret:
         return config.block_n or 4, config.block_k or 32, 1, 1
     narrow = n <= 4096
+    if short_rows is not None and narrow and k <= SHORT_ROWS:
+        block_n, block_k = (4, 2048) if short_rows == "plain" else (8, 1024)
+        return config.block_n or block_n, config.block_k or block_k, config.num_warps or 4, config.num_stages or 3
     block_n = config.block_n or (4 if narrow else 8)
     block_k = config.block_k or (1024 if narrow and k <= 4096 else 512)
     return block_n, block_k, config.num_warps or (8 if narrow else 4), config.num_stages or 3
@@ -173,7 +183,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             mode, r1 = 2, one_row(norm.residual, k, "residual")
             new_residual = torch.empty_like(x1)
             r_out = new_residual
-    block_n, block_k, warps, stages = launch_params(n, k, config, interpret)
+    block_n, block_k, warps, stages = launch_params(n, k, config, interpret, "normed" if mode else "plain")
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x1, r1, g, r_out, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), eps,
         NORM=mode, ADD=add_to is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,

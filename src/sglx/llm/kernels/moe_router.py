@@ -118,7 +118,8 @@ def _greedy_router_kernel(X, W, Logits, Tickets, Weights, Ids, Sorted_Ids, Block
 
 def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                   tickets: torch.Tensor | None = None, interpret: bool = False, shared: int = 0,
-                  align_block_m: int = 0, add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                  align_block_m: int = 0, add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  launch: tuple[int, int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """x [T, H], gate_weight [E, H] -> (weights [T, k] float32, expert ids [T, k] int64, blocks, normed): softmax
     over x @ gate_weight^T in float32, the k best experts, their scores renormalised to sum 1 (`renormalize`) or
@@ -128,7 +129,7 @@ def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorm
     (sorted pair ids, block expert, block rows)), written by the same launch; else None.
     add_norm = (residual [T, H], norm weight [H], eps): x is the delta before the post-attention norm; the router
     routes RMSNorm(residual + x) and returns (that normed row, residual + x) last (as `fused_add_rms_norm` does);
-    else None there."""
+    else None there. launch: (experts a program, warps) instead of the default launch (for measurements)."""
     tokens, hidden = x.shape
     experts = gate_weight.shape[0]
     if not 0 < top_k <= experts:
@@ -167,6 +168,9 @@ def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorm
     else:  # the whole row a program where it fits (one load round), as few experts as keep ~32 values a thread
         block_h = min(4096, triton.next_power_of_2(hidden))
         block_ep = max(1, min(block_e, 4096 // block_h))
+    warps = 1 if interpret else 4
+    if launch is not None:  # (experts a program, warps): benchmarks/bench_moe_router.py's sweep
+        block_ep, warps = launch
     res, norm_w, eps = (residual, norm_weight, float(eps)) if add_norm is not None else (x, x, 0.0)
     out_n, out_r = normed if normed is not None else (x, x)
     _greedy_router_kernel[(tokens, triton.cdiv(experts, block_ep))](
@@ -174,5 +178,5 @@ def greedy_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorm
         experts, hidden, x.stride(0), gate_weight.stride(0), res.stride(0), out_n.stride(0), out_r.stride(0),
         float(scale), eps, K=top_k, SHARED=shared, RENORM=renormalize, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(max(shared, 1)), ALIGN_BM=align_block_m,
-        ADD_NORM=add_norm is not None, ONE_CHUNK=hidden <= block_h, num_warps=1 if interpret else 4)
+        ADD_NORM=add_norm is not None, ONE_CHUNK=hidden <= block_h, num_warps=warps)
     return weights, ids, aligned, normed
