@@ -11,6 +11,8 @@
 #   gemv_ab    tests/gpu/test_gemv*_gpu.py, then DeepSeek-V2-Lite one-batch bs $GA_BS (default 1; triton, dummy bf16,
 #              input 512, output 64) with the short-row GEMV launches ("new") against without them ("old"), fresh
 #              processes alternated new old old new (x $GA_ROUNDS, default 1)
+#   tier       the whole GPU tier (`pytest -m gpu tests/`, xdist -n $TIER_N, default 6) without FlashInfer or FA4
+#              carried (their cases skip), in $TIER_S seconds (default 560)
 #   ds         DeepSeek-V2-Lite one-batch (dummy bf16, input 512, output 32) at $DS_BS (default 1,64): triton for
 #              both phases against fa4 prefill + triton decode, fresh processes alternated t f f t
 set -u
@@ -64,6 +66,12 @@ for r in json.load(open('$OUT/gemv_ab_${v}_$round.json'))['results']:
     print('$v bs', r['batch_size'], 'decode', round(r['decode_step_ms_median'], 4), 'x floor', round(r['ratio_to_floor'], 3))" \
           || tail -5 "$OUT/gemv_ab_${v}_$round.log"
       done; done ;;
+    tier)
+      [ -d $SITE/xdist ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE \
+        .whl/xdist/*.whl > "$OUT/pip_xdist.log" 2>&1
+      PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout ${TIER_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider \
+        -n ${TIER_N:-6} -p xdist --durations=12 tests/ > "$OUT/gpu_tier.txt" 2>&1
+      echo "tier rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tier.txt" | tail -30 ;;
     ds)
       n=0
       for v in triton fa4 fa4 triton; do
