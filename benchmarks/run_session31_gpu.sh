@@ -13,6 +13,8 @@
 #              processes alternated new old old new (x $GA_ROUNDS, default 1)
 #   tier       the whole GPU tier (`pytest -m gpu tests/`, xdist -n $TIER_N, default 6) without FlashInfer or FA4
 #              carried (their cases skip), in $TIER_S seconds (default 560)
+#   split      the MLA extend GPU tests (triton's 128 + 64 head tiles against float64, the engines against
+#              transformers) and benchmarks/sweep_mla_extend.py (split against padded heads, launches)
 #   ds         DeepSeek-V2-Lite one-batch (dummy bf16, input 512, output 32) at $DS_BS (default 1,64): triton for
 #              both phases against fa4 prefill + triton decode, fresh processes alternated t f f t
 set -u
@@ -73,6 +75,11 @@ for r in json.load(open('$OUT/gemv_ab_${v}_$round.json'))['results']:
       PYTHONPATH=$PWD/src:$PWD/tests:$SITE timeout ${TIER_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider \
         -n ${TIER_N:-6} -p xdist --durations=12 tests/ > "$OUT/gpu_tier.txt" 2>&1
       echo "tier rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tier.txt" | tail -30 ;;
+    split)
+      PYTHONPATH=$PWD/src:$PWD/tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mla_gpu.py \
+        -k "mla_extend_real_shapes or engine_on_gpu or prefill_graphs" 2>&1 | tee "$OUT/split_tests.txt" | tail -4
+      PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks timeout 300 \
+        python3 benchmarks/sweep_mla_extend.py --out "$OUT/sweep_split.json" 2>&1 | tail -60 ;;
     ds)
       n=0
       for v in triton fa4 fa4 triton; do

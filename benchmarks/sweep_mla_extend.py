@@ -1,4 +1,5 @@
-"""Triton MLA extend launch sweep at DeepSeek's expanded head dims (q/k 192, v 128): tile shapes, warps, stages.
+"""Triton MLA extend launch sweep at DeepSeek's expanded head dims (q/k 192, v 128): tile shapes, warps, stages, and
+the 192-wide heads as two tiles (128 + 64) or one padded to 256.
 
 One layer's extend as `bench_mla_prefill.py` times it (metadata, latent expansion, attention), each config's output
 checked against the default launch's first. Prints ms per shape and config; --out writes the JSON.
@@ -15,8 +16,10 @@ from bench_mla_prefill import SHAPES, make_step, time_backend
 from sglx.attention.kernels.extend_attention import ExtendConfig
 from sglx.attention.llm import triton_mla
 
-CONFIGS = [None, (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2),
-           (128, 32, 4, 3)]
+# (block_m, block_n, warps, stages) or None (the shipped launch), and whether the 192-wide heads run as 128 + 64
+# (split, the default since session 31) or padded to 256; the first entry is the reference of the max_diff column
+CONFIGS = [(None, False), (None, True), ((64, 64, 4, 2), True), ((64, 64, 4, 3), True), ((128, 32, 8, 2), True),
+           ((128, 64, 8, 2), True), ((128, 64, 8, 3), True), ((64, 128, 4, 2), True), ((128, 128, 8, 2), True)]
 
 
 def main() -> None:
@@ -29,10 +32,11 @@ def main() -> None:
         step = make_step(heads, new, prefix, bs, "cuda", torch.bfloat16)
         row = {"shape": shape, "ms": {}, "max_diff": {}}
         ref = None
-        for cfg in CONFIGS:
-            key = "default" if cfg is None else "x".join(map(str, cfg))
-            config = ExtendConfig() if cfg is None else ExtendConfig(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2],
-                                                                     num_stages=cfg[3])
+        for cfg, split in CONFIGS:
+            key = ("default" if cfg is None else "x".join(map(str, cfg))) + (" split" if split else " padded")
+            config = (ExtendConfig(split_head=split) if cfg is None else
+                      ExtendConfig(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+                                   split_head=split))
             triton_mla.TritonMLABackend.extend_config_override = config
             try:
                 ms, out = time_backend("triton", step, "cuda", torch.bfloat16, args.reps, return_out=True)

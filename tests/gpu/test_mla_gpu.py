@@ -259,15 +259,18 @@ def _fa4_prefill_or_skip() -> None:
 
 @pytest.mark.parametrize("page", [1, 64])
 @pytest.mark.parametrize("budget", [None, 1], ids=["one-call", "a-call-per-request"])
-def test_fa4_mla_extend_real_shapes_match_float64(page: int, budget: int | None) -> None:
-    """fa4 MLA's expanded-latent extend at DeepSeek-V2-Lite's attention shape (16 heads, nope 128 + rope 64, v 128,
-    latent 512 + 64), bf16, over cached prefixes of up to 3,000 keys on scattered pages, against float64; with a
-    1-byte budget each request is its own FA4 call."""
-    _fa4_prefill_or_skip()
+@pytest.mark.parametrize("backend_name", ["triton", "fa4"])
+def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budget: int | None) -> None:
+    """The expanded-latent extend of triton MLA (its 192-wide heads as 128 + 64 tiles) and fa4 MLA (FA4's varlen
+    kernel) at DeepSeek-V2-Lite's attention shape (16 heads, nope 128 + rope 64, v 128, latent 512 + 64), bf16, over
+    cached prefixes of up to 3,000 keys on scattered pages, against float64; with a 1-byte budget each request is its
+    own expansion and call."""
+    if backend_name == "fa4":
+        _fa4_prefill_or_skip()
     from sglx.attention.llm.base import BackendContext
-    from sglx.attention.llm.fa4_mla import FA4MLABackend
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
     from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.attention.registry import find
     from sglx.llm.forward_batch import ForwardBatch, ForwardMode
     from sglx.llm.kv_cache import ReqToTokenPool
     from sglx.llm.mla_kv_cache import MLATokenKVPool
@@ -294,7 +297,8 @@ def test_fa4_mla_extend_real_shapes_match_float64(page: int, budget: int | None)
             pool.set_latent(0, r2t.req_to_token[row, :p].long(), lat[:p, :r], lat[:p, r:])
     proj = MLAProjections.from_kv_b_proj((torch.randn(heads * (dn + dv), r, generator=gen) * r ** -0.5).to(DEV, dtype),
                                          spec)
-    backend = FA4MLABackend(BackendContext(torch.device(DEV), dtype, heads, 1, r + dr, page, r2t, pool))
+    backend = find(backend_name, "llm", "mla").load()(BackendContext(torch.device(DEV), dtype, heads, 1, r + dr, page,
+                                                                     r2t, pool))
     if budget is not None:
         backend.max_expanded_bytes = budget
     q_nope = torch.randn(sum(new), heads, dn, generator=gen).to(DEV, dtype)

@@ -183,6 +183,8 @@ EXTEND_CASES = [
     (1, 4, 1, 96, torch.float16, "auto", (1.0, 1.0), 40, 0.0),
     (16, 4, 2, 64, torch.float32, "fp8_e4m3", (0.6, 1.7), 21, 0.0),
     (1, 2, 1, 128, torch.float16, "fp8_e5m2", (1.0, 1.0), None, 4.0),
+    (16, 2, 1, 192, torch.float32, "auto", (1.0, 1.0), 9, 0.0),  # 128 + 64: two tiles (head_split)
+    (1, 2, 2, 160, torch.float16, "fp8_e5m2", (1.0, 1.0), None, 0.0),  # 128 + 32 over an fp8 pool
 ]
 
 
@@ -216,6 +218,36 @@ def test_extend_over_cached_prefix_matches_float64(page, hq, hkv, dim, dtype, kv
                                   dim ** -0.5, window, cap)
         err = (out[row:row + n].double() - ref).abs().max().item() if n else 0.0
         assert err <= TOL[dtype], (i, err)
+        row += n
+
+
+@pytest.mark.parametrize("split", [None, False], ids=["split-head", "padded-head"])
+def test_extend_at_mla_expanded_head_dims_matches_float64(split):
+    """MLA's expanded heads as triton MLA runs them: q/k 192 wide (128 + 64: two tiles, or one padded to 256), values
+    128, every key gathered from expanded rows through kv_indices, causal over cached prefixes."""
+    from sglx.attention.kernels.extend_attention import head_split
+
+    assert head_split(192) == (128, 64) and head_split(160) == (128, 32) and head_split(96) == (128, 0)
+    assert head_split(128) == (128, 0) and head_split(256) == (256, 0) and head_split(200) == (256, 0)
+    gen = torch.Generator().manual_seed(5)
+    heads, dqk, dv = 2, 192, 128
+    prefix, new = [0, 30, 5], [20, 1, 17]
+    lens = [p + n for p, n in zip(prefix, new)]
+    keys = torch.randn(sum(lens), heads, dqk, generator=gen)
+    values = torch.randn(sum(lens), heads, dv, generator=gen)
+    q = torch.randn(sum(new), heads, dqk, generator=gen)
+    kv_indptr = build_kv_indptr(torch.tensor(lens, dtype=torch.int32))
+    qo_indptr = build_kv_indptr(torch.tensor(new, dtype=torch.int32))
+    out = torch.full((sum(new), heads, dv), float("nan"))
+    extend_attention(q, keys, values, out, qo_indptr, kv_indptr, torch.arange(sum(lens), dtype=torch.int32),
+                     max(new), 0.07, interpret=True, config=ExtendConfig(split_head=split))
+    row = 0
+    for i, (p, n) in enumerate(zip(prefix, new)):
+        k, v = keys[kv_indptr[i]:kv_indptr[i + 1]].double(), values[kv_indptr[i]:kv_indptr[i + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", q[row:row + n].double(), k) * 0.07
+        visible = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
+        assert (out[row:row + n].double() - ref).abs().max().item() <= TOL[torch.float32], i
         row += n
 
 

@@ -72,17 +72,21 @@ class ExtendConfig:
     # H200, session 21, B4 H32 D128 page 16, alternated: causal 4096 2.000 / 2.000 -> 1.983 / 1.969 ms, 512 new on a
     # 4096 prefix 0.531 / 0.531 -> 0.514 / 0.513 (decode gained 6% from the same move)
     fp8_bits_k: bool | None = None
+    # head dims of 128 plus a power of two (MLA's expanded 192 = 128 + 64) as two tiles and two products (`head_split`)
+    # instead of one padded to the next power of two (256: a third of the QK^T work on zeros). None: on (not with
+    # TMA or bit-moved fp8 K, which take power-of-two heads)
+    split_head: bool | None = None
 
 
 @triton.jit
 def _extend_tiles(
-    acc, l_i, m_i, q, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
+    acc, l_i, m_i, q, q_pe, q_pos, lo, hi, kv_start, kv_len, K_Buf, V_Buf, Kv_Indices, kv_head,
     qk_scale, logit_cap, win, stride_kt, stride_kh, stride_vt, stride_vh,
-    offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt, stride_evh,
-    K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
+    offs_d, offs_pe, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0, stride_ekt, stride_ekh, stride_evt,
+    stride_evh, K_Scale, V_Scale, stride_ks, stride_vs, ext_col_k, ext_col_v,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     FROM_EXT: tl.constexpr, SLOT_SCALES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
+    PREFETCH: tl.constexpr, SLOT64: tl.constexpr, DPE: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [lo, hi); MASKED applies causal/window/length masks.
 
@@ -92,6 +96,8 @@ def _extend_tiles(
     next request are finite and hidden by the causal/length mask of the MASKED tiles. Pool tiles load K as
     [keys, D] rows like V and transpose in shared memory, so both gathers use one layout of the slot ids (two
     replicated layouts cost 8 id loads and 12 spill instructions a tile); SLOT64: the pool's offsets need 64 bits.
+    DPE > 0: the head dim is BLOCK_D + DPE (MLA's expanded 128 + 64), the last DPE columns a second tile and a second
+    product (q_pe, offs_pe) instead of padding the whole head to the next power of two (no TMA, no bit-moved fp8 K).
     """
     if PREFETCH and not FROM_EXT and not MASKED:  # slot ids a tile ahead, in registers (ExtendConfig.prefetch_slots)
         ahead = lo + tl.arange(0, BLOCK_N)
@@ -106,6 +112,9 @@ def _extend_tiles(
             n_mask = offs_n < kv_len
             k = tl.load(K_Ext + rows[None, :] * stride_ekt + kv_head * stride_ekh + offs_d[:, None],
                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            if DPE > 0:
+                k_pe = tl.load(K_Ext + rows[None, :] * stride_ekt + kv_head * stride_ekh + offs_pe[:, None],
+                               mask=n_mask[None, :], other=0.0)
             v = tl.load(V_Ext + rows[:, None] * stride_evt + kv_head * stride_evh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         elif MASKED:
@@ -113,6 +122,9 @@ def _extend_tiles(
             slots = slot_offsets(tl.load(Kv_Indices + kv_start + offs_n, mask=n_mask, other=0), SLOT64)
             k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                                  mask=n_mask[:, None] & d_mask[None, :], other=0.0))
+            if DPE > 0:
+                k_pe = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_pe[None, :],
+                                        mask=n_mask[:, None], other=0.0))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         else:
@@ -124,6 +136,8 @@ def _extend_tiles(
                 slots = slot_offsets(tl.load(Kv_Indices + kv_start + offs_n), SLOT64)
             k = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                                  mask=d_mask[None, :], other=0.0))
+            if DPE > 0:
+                k_pe = tl.trans(tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_pe[None, :]))
             v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                         mask=dv_mask[None, :], other=0.0)
         if FMT == 3:  # e4m3 K as bf16 at 2**-120 of its value (q was scaled by 2**64; the scores take 2**56)
@@ -132,9 +146,13 @@ def _extend_tiles(
         else:
             k = fp8_bits_to_value(k, FMT).to(q.dtype)
             v = fp8_bits_to_value(v, FMT).to(q.dtype)
+            if DPE > 0:
+                k_pe = fp8_bits_to_value(k_pe, FMT).to(q.dtype)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < kv_len)
         visible = visible & (offs_n[None, :] > q_pos[:, None] - win)  # unused (removed) when not MASKED
         qk = dot(q, k, IEEE)
+        if DPE > 0:
+            qk += dot(q_pe, k_pe, IEEE)
         if FMT == 3:
             qk = bits_k_scores(qk)
         if SLOT_SCALES and not FROM_EXT:  # slots of masked tiles were loaded as 0 (the padding slot)
@@ -157,7 +175,7 @@ def _extend_kernel(
     WS: tl.constexpr, SECTION: tl.constexpr, M_BLOCKS, NUM_BH, HQ,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr,
+    SLOT_SCALES: tl.constexpr, PREFETCH: tl.constexpr, SLOT64: tl.constexpr, DPE: tl.constexpr,
 ):
     if SECTION > 0:  # one axis: SECTION (request, head) pairs at a time, heaviest query blocks first across them
         pid = tl.program_id(0)
@@ -193,6 +211,13 @@ def _extend_kernel(
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if DPE > 0:  # the head's last DPE columns (MLA's rope part): a tile of their own
+            offs_pe = BLOCK_D + tl.arange(0, DPE)
+            q_pe = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_pe[None, :],
+                           mask=m_mask[:, None], other=0.0)
+        else:  # unused
+            offs_pe = offs_d
+            q_pe = q
         if FMT == 3:  # K tiles arrive at 2**-120 of their values (e4m3_bits_to_bf16_scaled): exact powers of two
             q = bits_k_query(q)
 
@@ -216,25 +241,28 @@ def _extend_kernel(
         else:
             ext_lo = kv_len + BLOCK_N  # past every key: the pool serves them all
         ranges_args = (K_Buf, V_Buf, Kv_Indices, kv_head, qk_scale, logit_cap, win, stride_kt, stride_kh,
-                       stride_vt, stride_vh, offs_d, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
+                       stride_vt, stride_vh, offs_d, offs_pe, offs_dv, d_mask, dv_mask, K_Ext, V_Ext, ext_row0,
                        stride_ekt, stride_ekh, stride_evt, stride_evh, K_Scale, V_Scale, stride_ks, stride_vs,
                        kv_head * D, kv_head * DV)
-        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, edge_lo, full_lo, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pe, q_pos, edge_lo, full_lo, kv_start, kv_len,
+                                      *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS,
+                                      PREFETCH, SLOT64, DPE)
         mid_split = tl.minimum(tl.maximum(ext_lo, full_lo), full_hi)
-        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_lo, mid_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pe, q_pos, full_lo, mid_split, kv_start, kv_len,
+                                      *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS,
+                                      PREFETCH, SLOT64, DPE)
         if EXT:
-            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, mid_split, full_hi, kv_start, kv_len,
+            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pe, q_pos, mid_split, full_hi, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, False, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH, SLOT64)
+                                          PREFETCH, SLOT64, DPE)
         diag_split = tl.minimum(tl.maximum(ext_lo, full_hi), q_last + 1)
-        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, full_hi, diag_split, kv_start, kv_len, *ranges_args,
-                                      BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS, PREFETCH, SLOT64)
+        acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pe, q_pos, full_hi, diag_split, kv_start, kv_len,
+                                      *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, False, SLOT_SCALES, TMA, WS,
+                                      PREFETCH, SLOT64, DPE)
         if EXT:
-            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pos, diag_split, q_last + 1, kv_start, kv_len,
+            acc, l_i, m_i = _extend_tiles(acc, l_i, m_i, q, q_pe, q_pos, diag_split, q_last + 1, kv_start, kv_len,
                                           *ranges_args, BLOCK_N, True, FMT, SOFTCAP, IEEE, True, SLOT_SCALES, TMA, WS,
-                                          PREFETCH, SLOT64)
+                                          PREFETCH, SLOT64, DPE)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # rows past ext_len saw nothing
         o_rows = (q_start + offs_m).to(tl.int64)
@@ -250,6 +278,15 @@ def _kv_code(config: ExtendConfig, fp8_dtype: torch.dtype | None, q: torch.Tenso
     if wanted is None:
         wanted = not interpret and q.device.type == "cuda" and not torch.version.hip
     return 3 if wanted and bits_k_applies(fmt, q.dtype) else fmt
+
+
+def head_split(dim: int) -> tuple[int, int]:
+    """(BLOCK_D, DPE): a head dim of 128 plus a power of two from 16 to 64 (MLA's expanded 192) runs as a 128-wide tile
+    and a DPE-wide one; any other as one tile padded to the next power of two (DPE 0; 256 is not padded)."""
+    rest = dim - 128
+    if 16 <= rest < 128 and rest & (rest - 1) == 0:
+        return 128, rest
+    return padded_dim(dim), 0
 
 
 def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool,
@@ -327,6 +364,10 @@ def extend_attention(
     tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
     ext_heavy = ext and prefix_tokens <= num_tokens
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma)
+    fmt = _kv_code(config, fp8_dtype, q, interpret)
+    block_d, dpe = head_split(dim)
+    if dpe and (config.split_head is False or tma or fmt == 3):
+        block_d, dpe = padded_dim(dim), 0
     prefetch = not ext_heavy if config.prefetch_slots is None else config.prefetch_slots
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
@@ -350,10 +391,10 @@ def extend_attention(
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1), k_scales.stride(0), v_scales.stride(0),
         EXT=ext, TMA=tma, WS=config.warp_specialize, SECTION=section, M_BLOCKS=m_blocks, NUM_BH=bs * hq, HQ=hq,
-        GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=padded_dim(dim), BLOCK_DV=padded_dim(dim_v),
-        BLOCK_M=block_m, BLOCK_N=block_n, FMT=_kv_code(config, fp8_dtype, q, interpret), SOFTCAP=softcap,
+        GROUP=hq // hkv, D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=padded_dim(dim_v),
+        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32, SLOT_SCALES=slot_scales, PREFETCH=prefetch,
-        SLOT64=not offsets_fit_int32(k_buffer, v_buffer),
+        SLOT64=not offsets_fit_int32(k_buffer, v_buffer), DPE=dpe,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
