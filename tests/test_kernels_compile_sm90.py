@@ -213,23 +213,24 @@ def _decode_stage1(merge_here: bool, fp8: bool, slot_scales: bool, prefetch: boo
 
 
 def _extend(ext: bool, tma: bool = False, section: int = 0, prefetch: bool = True, slot64: bool = False,
-            fmt: int = 0, mla_split: bool = False) -> tuple:
+            fmt: int = 0, mla_split: bool = False, long: bool = False) -> tuple:
     """mla_split: MLA's expanded heads (192 = 128 + a 64-wide second tile, values 128) on the launch for heads past
-    128 (64 x 32, 4 warps, 2 stages)."""
+    128 (64 x 32, 4 warps, 2 stages; long: 128 x 64, 8 warps, 3 stages, for long requests)."""
     from sglx.attention.kernels.extend_attention import _extend_kernel
 
-    block_n = 128 if tma else 32 if mla_split else 64
+    if mla_split and long:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = (64, 32, 4, 2) if mla_split else (128, 128 if tma else 64, 8, 3)
     rows = f"tensordesc<bf16[{block_n}, 128]>" if tma else BF16
     pool = "*u8" if fmt else BF16
     ptrs = {"Q": BF16, "Out": BF16, "K_Buf": pool, "V_Buf": pool, "Qo_Indptr": "*i32", "Kv_Indptr": "*i32",
             "Kv_Indices": "*i32", "K_Ext": rows, "V_Ext": rows, "K_Scale": "*fp32", "V_Scale": "*fp32"}
     consts = dict(EXT=ext, TMA=tma, WS=False, SECTION=section, GROUP=1 if mla_split else 4,
-                  D=192 if mla_split else 128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=64 if mla_split else 128,
+                  D=192 if mla_split else 128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=block_m,
                   BLOCK_N=block_n, FMT=fmt, SOFTCAP=False, IEEE=False, SLOT_SCALES=False, PREFETCH=prefetch,
                   SLOT64=slot64, DPE=64 if mla_split else 0)
-    if mla_split:
-        return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 4, 2
-    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), 8, 3
+    return kernel_source(_extend_kernel, consts, ptrs, ("qk_scale", "logit_cap", "v_scale")), warps, stages
 
 
 def _block_sparse(mask_keys: bool, qmap: bool) -> tuple:
@@ -329,6 +330,8 @@ VARIANTS = {
     "extend, MLA's expanded heads as 128 + 64 (pool gathers, as triton MLA runs it)": lambda: _extend(False,
                                                                                                     mla_split=True),
     "extend, MLA's expanded heads as 128 + 64, this step's rows": lambda: _extend(True, mla_split=True),
+    "extend, MLA's expanded heads as 128 + 64, long requests' launch": lambda: _extend(False, mla_split=True,
+                                                                                      long=True),
     "extend, TMA rows": lambda: _extend(True, tma=True),
     "extend, TMA rows, head sections": lambda: _extend(True, tma=True, section=8),
     "block-sparse (diffusion), padded keys": lambda: _block_sparse(True, False),

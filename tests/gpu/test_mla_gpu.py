@@ -260,7 +260,10 @@ def _fa4_prefill_or_skip() -> None:
 @pytest.mark.parametrize("page", [1, 64])
 @pytest.mark.parametrize("budget", [None, 1], ids=["one-call", "a-call-per-request"])
 @pytest.mark.parametrize("backend_name", ["triton", "fa4"])
-def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budget: int | None) -> None:
+@pytest.mark.parametrize("lengths", [([0, 700, 3000, 129], [512, 33, 1, 200]), ([4096, 2000], [512, 3000])],
+                         ids=["ragged", "long"])  # long: over 2,048 keys a request (triton's large split-head tile)
+def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budget: int | None,
+                                              lengths: tuple[list[int], list[int]]) -> None:
     """The expanded-latent extend of triton MLA (its 192-wide heads as 128 + 64 tiles) and fa4 MLA (FA4's varlen
     kernel) at DeepSeek-V2-Lite's attention shape (16 heads, nope 128 + rope 64, v 128, latent 512 + 64), bf16, over
     cached prefixes of up to 3,000 keys on scattered pages, against float64; with a 1-byte budget each request is its
@@ -277,7 +280,7 @@ def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budg
 
     heads, dn, dr, dv, r, dtype = 16, 128, 64, 128, 512, torch.bfloat16
     spec = MLALayerSpec(0, heads, dn, dr, dv, r, (dn + dr) ** -0.5)
-    prefix, new = [0, 700, 3000, 129], [512, 33, 1, 200]
+    prefix, new = lengths
     totals = [p + n for p, n in zip(prefix, new)]
     gen = torch.Generator().manual_seed(page)
     num_slots = (sum(-(-t // page) for t in totals) + 2) * page

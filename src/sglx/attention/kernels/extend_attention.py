@@ -289,14 +289,22 @@ def head_split(dim: int) -> tuple[int, int]:
     return padded_dim(dim), 0
 
 
+LONG_SPLIT_KEYS = 2048  # mean keys a request from which split heads take the large tile (`_launch`)
+
+
 def _launch(config: ExtendConfig, head_dim: int, device: torch.device, interpret: bool, ext_heavy: bool,
-            tma: bool = False) -> tuple[int, int, int, int]:
+            tma: bool = False, split_long: bool = False) -> tuple[int, int, int, int]:
+    """split_long: split heads (`head_split`) over requests of LONG_SPLIT_KEYS keys or more on average. H200, session
+    31 (benchmarks/results/s31/call10, one MLA layer's extend at 192 / 128, split heads): 128 x 64, 8 warps, 3 stages
+    against 64 x 32, 4 warps, 2 stages: DeepSeek-V2-Lite 4 x 4,096 new 1.71 / 2.16 ms, 4,096 cached + 512 new 0.74 /
+    1.11, DeepSeek-V3 4,096 + 512 1.68 / 1.98; on 512-key requests slower (V2-Lite 1 x 512 0.79 / 0.65, V3 1.00 /
+    0.72), where the small tile stays."""
     if interpret:
         return config.block_m or 16, config.block_n or 16, 1, 1
     if torch.version.hip:  # 64 KB LDS: small tiles, no multi-stage buffering (not measured yet)
         block_m, block_n, warps, stages = 64, 64, 4, 1
     elif head_dim > 128:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
+        block_m, block_n, warps, stages = (128, 64, 8, 3) if split_long else (64, 32, 4, 2)
     elif torch.cuda.get_device_capability(device)[0] >= 9:
         # H100 sweeps, B4 H32 D128. Session 12 (benchmarks/results/sweep_extend_prefill_h100_s12.json, cuDNN in
         # the same run): this step's K/V through TMA, 128x128, 8 warps, 3 stages: causal 4096 435 TFLOP/s = 0.826x
@@ -347,8 +355,9 @@ def extend_attention(
     k_ext/v_ext [T, Hkv, D] (optional): this step's K/V rows, aligned with q. With a native-dtype pool they
     hold exactly what was stored, and the new tokens' tiles are read from them instead of gathered
     from the pool. An fp8 pool ignores them, so both paths see the same quantized keys. prefix_tokens (the
-    batch's cached keys, known on the host) only picks the tile shape. k_scale/v_scale: one float per
-    layer, or float32 `[rows, Hkv]` per-slot scales (q then already in the pool's rotated key basis)."""
+    batch's cached keys, known on the host) only picks the tile shape (with T, the mean keys a request).
+    k_scale/v_scale: one float per layer, or float32 `[rows, Hkv]` per-slot scales (q then already in the pool's
+    rotated key basis)."""
     num_tokens, hq, dim = q.shape
     bs = qo_indptr.shape[0] - 1
     if q.stride(-1) != 1:
@@ -363,11 +372,12 @@ def extend_attention(
         v_ext = v_ext.reshape(num_tokens, hkv, -1)
     tma = ext and _tma_wanted(config, q.device, interpret) and all(tma_rows_ok(t) for t in (k_ext, v_ext))
     ext_heavy = ext and prefix_tokens <= num_tokens
-    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma)
     fmt = _kv_code(config, fp8_dtype, q, interpret)
     block_d, dpe = head_split(dim)
     if dpe and (config.split_head is False or tma or fmt == 3):
         block_d, dpe = padded_dim(dim), 0
+    split_long = dpe > 0 and prefix_tokens + num_tokens >= LONG_SPLIT_KEYS * bs
+    block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma, split_long)
     prefetch = not ext_heavy if config.prefetch_slots is None else config.prefetch_slots
     softcap = logit_cap > 0
     slot_scales = isinstance(k_scale, torch.Tensor)
