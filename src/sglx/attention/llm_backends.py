@@ -235,7 +235,8 @@ register(BackendSpec(
                          chunked_prefix_cache=False, cuda_graph=True),
     factory="sglx.attention.llm.triton_mla:TritonMLABackend",
     notes="sglx's own kernels: decode reads each [c_kv, k_pe] latent tile once for scores and values (W_UK "
-          "folded into q, W_UV after); extend expands prefix + new latents per head for the MHA extend kernel; "
+          "folded into q, W_UV after); extend expands prefix + new latents per head for the MHA extend kernel (the "
+          "192-wide heads as 128 + 64 tiles); "
           "any page size through kv_indices, fp8 latents. On SM90 the 64-head decode runs a Gluon kernel that "
           "double-buffers the latent tiles by hand (Triton 3.6). Verified under the Triton interpreter and on an "
           "H100/H200 (float64 kernel tests, transformers tokens, CUDA graphs); decode B64 H128 ctx 4096 on an H200: "
