@@ -173,6 +173,32 @@ def test_fp8_pool_is_refused_with_what_would_work():
         FlexAttentionBackend(_ctx(cache, 4, 2, 1))
 
 
+def test_a_compile_failure_is_one_clear_error_and_other_errors_pass_through():
+    """compile=on where torch cannot build the fused kernel (Inductor's NoValidChoicesError on torch 2.11 + H100,
+    session 31's GPU tier): the user gets what failed and what runs instead, not Inductor's trace."""
+    lowering = type("LoweringException", (RuntimeError,), {"__module__": "torch._inductor.exc"})
+    cache = make_paged_cache([8], 16, 2, DIM, torch.float32, fill=[0], seed=1)
+    backend = FlexAttentionBackend(_ctx(cache, 4, 2, 16, compile="on"))
+    batch = step_batch(cache, ForwardMode.EXTEND, [0], [8])
+    layer = LayerSpec(0, 4, 2, DIM, DIM ** -0.5)
+    q, k, v = torch.randn(8, 4, DIM), torch.randn(8, 2, DIM), torch.randn(8, 2, DIM)
+    for error, expected in ((lowering("NoValidChoicesError: No choices to select\nmore"), BackendUnavailableError),
+                            (ValueError("a shape bug"), ValueError)):
+        def broken(*args, error=error, **kwargs):  # type: ignore[no-untyped-def]
+            raise error
+        backend._flex = {False: broken, True: broken}
+        backend.init_forward_metadata(batch)
+        with pytest.raises(expected) as info:
+            backend.forward(q, k, v, layer, batch)
+        if expected is BackendUnavailableError:
+            assert str(info.value) == (
+                f"attention backend flex_attention: compile=on could not compile flex attention with torch "
+                f"{torch.__version__} (LoweringException: NoValidChoicesError: No choices to select); use "
+                "--attention-backend-config compile=off (the default) or --attention-backend triton")
+        else:
+            assert str(info.value) == "a shape bug"
+
+
 def test_compile_setting():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (resolve_compile("auto", cpu), resolve_compile("auto", cuda)) == (False, False)

@@ -92,6 +92,11 @@ def _compiled_flex(decode: bool, dynamic: bool) -> Callable:
     return torch.compile(_flex_decode if decode else _flex_extend, dynamic=dynamic)
 
 
+def compile_failure(exc: BaseException) -> bool:
+    """Whether exc is torch.compile failing to build a kernel (Inductor lowering, dynamo's backend), not bad input."""
+    return type(exc).__module__.startswith(("torch._inductor", "torch._dynamo"))
+
+
 def decode_bucket(bs: int) -> int:
     """Batch size a compiled decode step runs at: the next power of two (padding rows attend to nothing)."""
     return 1 << max(bs - 1, 0).bit_length()
@@ -234,9 +239,18 @@ class FlexAttentionBackend(AttentionBackend):
     def _attend(self, q: torch.Tensor, layer: LayerSpec, batch: ForwardBatch) -> torch.Tensor:
         assert self.step is not None, "init_forward_metadata(batch) must run first"
         keys, values = self._pool_kv(layer, batch)
-        return self._flex[self.step.decode](q, keys, values, score_mod=self._score_mod(layer.logit_cap),
-                          block_mask=self.step.block_mask(layer.sliding_window), scale=layer.scaling,
-                          enable_gqa=layer.num_q_heads != layer.num_kv_heads)
+        try:
+            return self._flex[self.step.decode](q, keys, values, score_mod=self._score_mod(layer.logit_cap),
+                                                block_mask=self.step.block_mask(layer.sliding_window),
+                                                scale=layer.scaling, enable_gqa=layer.num_q_heads != layer.num_kv_heads)
+        except Exception as exc:
+            if self.compiled and compile_failure(exc):  # torch could not build the fused kernel: say so, not a trace
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise BackendUnavailableError(
+                    f"attention backend flex_attention: compile=on could not compile flex attention with torch "
+                    f"{torch.__version__} ({type(exc).__name__}: {first}); use --attention-backend-config "
+                    "compile=off (the default) or --attention-backend triton") from exc
+            raise
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec,
                        batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
