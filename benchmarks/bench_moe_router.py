@@ -3,7 +3,7 @@
 One token, hidden 2,048, 64 routed experts (top 6, softmax, not renormalised) + 2 shared, the post-attention add +
 RMSNorm inside (`add_norm`) and one block per pair laid out for fused_moe (`align_block_m`), as the V2-Lite decode
 step calls it. Every launch's outputs are checked against the default launch's first. us a call, from replays of a
-graph of 20 calls.
+graph of bench_moe_align's GRAPH_CALLS calls.
 
 python benchmarks/bench_moe_router.py --out results.json
 """
@@ -14,26 +14,12 @@ import argparse
 import json
 
 import torch
-import triton.testing as tt
+from bench_moe_align import graph_ms  # benchmarks/ is on sys.path when a script there runs
 
 from sglx.llm.kernels.fused_moe import moe_block_m
 from sglx.llm.kernels.moe_router import greedy_router
 
-GRAPH_CALLS = 20
 LAUNCHES = [None, (1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 4), (8, 8), (16, 4)]
-
-
-def graph_us(fn) -> float:  # type: ignore[no-untyped-def]
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return tt.do_bench(graph.replay, warmup=20, rep=200) / GRAPH_CALLS * 1e3
 
 
 def main() -> None:
@@ -64,7 +50,7 @@ def main() -> None:
         if ref is None:
             ref = flat
         same = all(torch.equal(a, b) for a, b in zip(flat, ref))
-        us = graph_us(call)
+        us = graph_ms(call) * 1e3
         name = "default" if launch is None else f"{launch[0]} experts, {launch[1]} warps"
         print(f"{name:24s} {us:6.2f} us  same as default: {same}")
         rows.append({"launch": name, "us": us, "same": same})

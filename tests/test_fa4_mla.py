@@ -18,9 +18,10 @@ from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.fa4_mla import FA4MLABackend
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
 from sglx.attention.llm.mla_reference import reference_mla
+from sglx.attention.llm.paged_latents import PagedLatents
 from sglx.attention.selection import LLMBackendArgs, ModelTraits, select_llm
 from sglx.errors import BackendUnavailableError
-from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+from sglx.llm.forward_batch import ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 from sglx.platform import fake
@@ -99,23 +100,10 @@ def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _paged_requests(prefix: list[int], totals: list[int], page: int, seed: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
-    num_slots = (sum(-(-t // page) for t in totals) + 3) * page
-    r2t = ReqToTokenPool(4, max(totals) + page)
-    pool = MLATokenKVPool(num_slots, page, 2, R, DR, torch.float32)
-    pages = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
-    rows, latents = [], []
-    for t in totals:
-        row = r2t.alloc()
-        mine = [pages.pop() for _ in range(-(-t // page))]
-        r2t.req_to_token[row, :t] = torch.tensor([p * page + j for p in mine for j in range(page)][:t],
-                                                 dtype=torch.int32)
-        rows.append(row)
-        latents.append(torch.randn(t, R + DR, generator=gen))
-    for row, p, lat in zip(rows, prefix, latents):
-        if p:
-            pool.set_latent(SPEC.layer_id, r2t.req_to_token[row, :p].long(), lat[:p, :R], lat[:p, R:])
+    paged = PagedLatents.build(prefix, totals, page, R, DR, torch.float32, "cpu", gen, layer_id=SPEC.layer_id,
+                               num_layers=2)
     proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5, SPEC)
-    return gen, r2t, pool, rows, latents, proj
+    return gen, paged, proj
 
 
 STEPS = [(ForwardMode.EXTEND, [21, 6, 1]), (ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.MIXED, [1, 4, 1]),
@@ -129,8 +117,8 @@ def test_fa4_mla_calls_match_float64(on_cpu: None, page: int, budget: int | None
     on shuffled pages; with a 1-byte expansion budget every request is its own ragged call."""
     prefix = [0, 13, 37]
     totals = [p + sum(n[i] for _, n in STEPS) for i, p in enumerate(prefix)]
-    gen, r2t, pool, rows, latents, proj = _paged_requests(prefix, totals, page, seed=page)
-    ctx = BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, r2t, pool)
+    gen, paged, proj = _paged_requests(prefix, totals, page, seed=page)
+    ctx = BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, paged.r2t, paged.pool)
     backend = FA4MLABackend(ctx, kernel=fa4_standin, absorbed_decode=True)
     if budget is not None:
         backend.max_expanded_bytes = budget
@@ -139,15 +127,8 @@ def test_fa4_mla_calls_match_float64(on_cpu: None, page: int, budget: int | None
         hi = [a + n for a, n in zip(lo, new)]
         q_nope = torch.randn(sum(new), H, DN, generator=gen)
         q_pe = torch.randn(sum(new), H, DR, generator=gen)
-        fresh = torch.cat([lat[a:b] for lat, a, b in zip(latents, lo, hi)])
-        batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]), req_pool_indices=torch.tensor(rows),
-            seq_lens=torch.tensor(hi), out_cache_loc=torch.cat([r2t.req_to_token[r, a:b].long()
-                                                                for r, a, b in zip(rows, lo, hi)]),
-            req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend,  # type: ignore[arg-type]
-            extend_seq_lens_cpu=list(new) if mode.is_extend else [],
-            extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+        fresh = paged.new_latents(lo, hi)
+        batch = paged.step(mode, lo, hi, backend)
         FA4Calls.log = []
         backend.init_forward_metadata(batch)
         out = backend.forward_mla(q_nope, q_pe, fresh[:, :R], fresh[:, R:], SPEC, proj, batch)
@@ -158,7 +139,7 @@ def test_fa4_mla_calls_match_float64(on_cpu: None, page: int, budget: int | None
             assert FA4Calls.log == ([("ragged", sum(new))] if budget is None else [("ragged", n) for n in new])
         offset = 0
         for i, (a, b) in enumerate(zip(lo, hi)):
-            ref = reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], latents[i][:b],
+            ref = reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], paged.latents[i][:b],
                                 proj.w_uk, proj.w_uv, torch.arange(a, b), SPEC.scaling)
             torch.testing.assert_close(out[offset:offset + b - a].double(), ref, atol=2e-5, rtol=0,
                                        msg=f"{mode} request {i}")
@@ -170,24 +151,19 @@ def test_fa4_mla_decode_graph_buffers_equal_eager(on_cpu: None) -> None:
     """Decode through the captured-graph metadata (fixed page-table and length buffers, refilled from the graph's
     static inputs) gives the eager step's output."""
     page, prefix = 16, [40, 3, 77]
-    gen, r2t, pool, rows, latents, proj = _paged_requests(prefix, [p + 1 for p in prefix], page, seed=5)
-    ctx = BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, r2t, pool)
-    backend = FA4MLABackend(ctx, kernel=fa4_standin, absorbed_decode=True)
     hi = [p + 1 for p in prefix]
-    fresh = torch.cat([lat[p:p + 1] for lat, p in zip(latents, prefix)])
-    slots = torch.cat([r2t.req_to_token[r, p:p + 1].long() for r, p in zip(rows, prefix)])
-    pool.set_latent(SPEC.layer_id, slots, fresh[:, :R], fresh[:, R:])
+    gen, paged, proj = _paged_requests(hi, hi, page, seed=5)  # this step's latents stored too
+    ctx = BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, page, paged.r2t, paged.pool)
+    backend = FA4MLABackend(ctx, kernel=fa4_standin, absorbed_decode=True)
+    fresh = paged.new_latents(prefix, hi)
     q_nope, q_pe = torch.randn(3, H, DN, generator=gen), torch.randn(3, H, DR, generator=gen)
-    batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(3, dtype=torch.long),
-                         positions=torch.tensor(prefix), req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(hi),
-                         out_cache_loc=slots, req_to_token_pool=r2t, token_kv_pool=pool,
-                         attn_backend=backend)  # type: ignore[arg-type]
+    batch = paged.step(ForwardMode.DECODE, prefix, hi, backend)
     backend.init_forward_metadata(batch)
     eager = backend.forward_mla(q_nope, q_pe, fresh[:, :R], fresh[:, R:], SPEC, proj, batch, save_kv_cache=False)
     backend.init_cuda_graph_state(4, 4)
     static_rows, static_lens = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.long)
     backend.init_forward_metadata_capture_cuda_graph(3, static_rows[:3], static_lens[:3])
-    static_rows[:3], static_lens[:3] = torch.tensor(rows), torch.tensor(hi)
+    static_rows[:3], static_lens[:3] = torch.tensor(paged.rows), torch.tensor(hi)
     backend.init_forward_metadata_replay_cuda_graph(3, static_rows[:3], static_lens[:3], hi)
     backend.init_forward_metadata_in_graph(3)
     replay = backend.forward_mla(q_nope, q_pe, fresh[:, :R], fresh[:, R:], SPEC, proj, batch, save_kv_cache=False)
@@ -195,13 +171,10 @@ def test_fa4_mla_decode_graph_buffers_equal_eager(on_cpu: None) -> None:
 
 
 def test_fa4_mla_decode_without_blackwell_is_a_clear_error(on_cpu: None) -> None:
-    _, r2t, pool, rows, _, proj = _paged_requests([4], [5], 1, seed=0)
-    backend = FA4MLABackend(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, 1, r2t, pool),
-                            kernel=fa4_standin, absorbed_decode=False)
-    batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(1, dtype=torch.long),
-                         positions=torch.tensor([4]), req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor([5]),
-                         out_cache_loc=r2t.req_to_token[rows[0], 4:5].long(), req_to_token_pool=r2t, token_kv_pool=pool,
-                         attn_backend=backend)  # type: ignore[arg-type]
+    _, paged, proj = _paged_requests([4], [5], 1, seed=0)
+    backend = FA4MLABackend(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, 1, paged.r2t,
+                                           paged.pool), kernel=fa4_standin, absorbed_decode=False)
+    batch = paged.step(ForwardMode.DECODE, [4], [5], backend)
     backend.init_forward_metadata(batch)
     with pytest.raises(BackendUnavailableError, match="Blackwell .*--prefill-attention-backend fa4 "
                                                       "--decode-attention-backend triton"):

@@ -17,7 +17,8 @@ import torch
 from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
 from sglx.attention.llm.mla_reference import reference_mla
-from sglx.llm.forward_batch import ForwardBatch, ForwardMode
+from sglx.attention.llm.paged_latents import PagedLatents
+from sglx.llm.forward_batch import ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
 
@@ -83,34 +84,19 @@ def test_flashinfer_mla_backend_matches_float64(flashinfer_standin: type[StandIn
     prefix, steps = [0, 13, 37], [(ForwardMode.EXTEND, [21, 6, 1]), (ForwardMode.DECODE, [1, 1, 1]),
                                   (ForwardMode.MIXED, [1, 4, 1]), (ForwardMode.DECODE, [1, 1, 1])]
     totals = [p + sum(n[i] for _, n in steps) for i, p in enumerate(prefix)]
-    r2t = ReqToTokenPool(4, max(totals) + 1)
-    pool = MLATokenKVPool(sum(totals) + 8, 1, 3, R, DR, torch.float32)
-    free = (torch.randperm(sum(totals) + 7, generator=gen) + 1).tolist()
-    rows, latents = [], []
-    for t in totals:
-        row = r2t.alloc()
-        r2t.req_to_token[row, :t] = torch.tensor([free.pop() for _ in range(t)], dtype=torch.int32)
-        rows.append(row)
-        latents.append(torch.randn(t, R + DR, generator=gen))
-    for row, p, lat in zip(rows, prefix, latents):
-        if p:
-            pool.set_latent(SPEC.layer_id, r2t.req_to_token[row, :p].long(), lat[:p, :R], lat[:p, R:])
-    backend = FlashInferMLABackend(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, 1, r2t, pool))
+    paged = PagedLatents.build(prefix, totals, 1, R, DR, torch.float32, "cpu", gen, layer_id=SPEC.layer_id,
+                               num_layers=3)  # one-token pages: shuffled slots
+    backend = FlashInferMLABackend(BackendContext(torch.device("cpu"), torch.float32, H, 1, R + DR, 1, paged.r2t,
+                                                  paged.pool))
+    latents = paged.latents
     proj = MLAProjections.from_kv_b_proj(torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5, SPEC)
     lo = list(prefix)
     for mode, new in steps:
         hi = [a + n for a, n in zip(lo, new)]
         q_nope = torch.randn(sum(new), H, DN, generator=gen)
         q_pe = torch.randn(sum(new), H, DR, generator=gen)
-        fresh = torch.cat([lat[a:b] for lat, a, b in zip(latents, lo, hi)])
-        batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.long),
-            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]), req_pool_indices=torch.tensor(rows),
-            seq_lens=torch.tensor(hi), out_cache_loc=torch.cat([r2t.req_to_token[r, a:b].long()
-                                                                for r, a, b in zip(rows, lo, hi)]),
-            req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend,  # type: ignore[arg-type]
-            extend_seq_lens_cpu=list(new) if mode.is_extend else [],
-            extend_prefix_lens_cpu=list(lo) if mode.is_extend else [])
+        fresh = paged.new_latents(lo, hi)
+        batch = paged.step(mode, lo, hi, backend)
         backend.init_forward_metadata(batch)
         out = backend.forward_mla(q_nope, q_pe, fresh[:, :R], fresh[:, R:], SPEC, proj, batch)
         backend.forward_mla(q_nope, q_pe, fresh[:, :R], fresh[:, R:], SPEC, proj, batch)  # a second layer: no re-plan

@@ -273,47 +273,27 @@ def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budg
     from sglx.attention.llm.base import BackendContext
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
     from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.attention.llm.paged_latents import PagedLatents
     from sglx.attention.registry import find
-    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
-    from sglx.llm.kv_cache import ReqToTokenPool
-    from sglx.llm.mla_kv_cache import MLATokenKVPool
+    from sglx.llm.forward_batch import ForwardMode
 
     heads, dn, dr, dv, r, dtype = 16, 128, 64, 128, 512, torch.bfloat16
     spec = MLALayerSpec(0, heads, dn, dr, dv, r, (dn + dr) ** -0.5)
     prefix, new = lengths
     totals = [p + n for p, n in zip(prefix, new)]
     gen = torch.Generator().manual_seed(page)
-    num_slots = (sum(-(-t // page) for t in totals) + 2) * page
-    r2t = ReqToTokenPool(len(totals) + 1, max(totals) + page, DEV)
-    pool = MLATokenKVPool(num_slots, page, 1, r, dr, dtype, "auto", DEV)
-    pages = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
-    rows, latents = [], []
-    for t in totals:
-        row = r2t.alloc()
-        mine = [pages.pop() for _ in range(-(-t // page))]
-        r2t.req_to_token[row, :t] = torch.tensor([p * page + j for p in mine for j in range(page)][:t],
-                                                 dtype=torch.int32, device=DEV)
-        rows.append(row)
-        latents.append(torch.randn(t, r + dr, generator=gen).to(DEV, dtype))
-    for row, p, lat in zip(rows, prefix, latents):
-        if p:
-            pool.set_latent(0, r2t.req_to_token[row, :p].long(), lat[:p, :r], lat[:p, r:])
+    paged = PagedLatents.build(prefix, totals, page, r, dr, dtype, DEV, gen)
+    latents = paged.latents
     proj = MLAProjections.from_kv_b_proj((torch.randn(heads * (dn + dv), r, generator=gen) * r ** -0.5).to(DEV, dtype),
                                          spec)
     backend = find(backend_name, "llm", "mla").load()(BackendContext(torch.device(DEV), dtype, heads, 1, r + dr, page,
-                                                                     r2t, pool))
+                                                                     paged.r2t, paged.pool))
     if budget is not None:
         backend.max_expanded_bytes = budget
     q_nope = torch.randn(sum(new), heads, dn, generator=gen).to(DEV, dtype)
     q_pe = torch.randn(sum(new), heads, dr, generator=gen).to(DEV, dtype)
-    fresh = torch.cat([lat[p:] for lat, p in zip(latents, prefix)])
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND, input_ids=torch.zeros(sum(new), dtype=torch.long, device=DEV),
-        positions=torch.cat([torch.arange(p, t) for p, t in zip(prefix, totals)]).to(DEV),
-        req_pool_indices=torch.tensor(rows, device=DEV), seq_lens=torch.tensor(totals, device=DEV),
-        out_cache_loc=torch.cat([r2t.req_to_token[w, p:t].long() for w, p, t in zip(rows, prefix, totals)]),
-        req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend, seq_lens_cpu=totals,  # type: ignore[arg-type]
-        extend_seq_lens_cpu=new, extend_prefix_lens_cpu=prefix)
+    fresh = paged.new_latents(prefix, totals)
+    batch = paged.step(ForwardMode.EXTEND, prefix, totals, backend)
     backend.init_forward_metadata(batch)
     out = backend.forward_mla(q_nope, q_pe, fresh[:, :r], fresh[:, r:], spec, proj, batch)
     offset = 0

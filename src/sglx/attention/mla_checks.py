@@ -23,36 +23,21 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
     from sglx.attention.llm.base import BackendContext
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
     from sglx.attention.llm.mla_reference import reference_mla
+    from sglx.attention.llm.paged_latents import PagedLatents
     from sglx.attention.registry import prefill_only
-    from sglx.llm.forward_batch import ForwardBatch, ForwardMode
-    from sglx.llm.kv_cache import ReqToTokenPool
-    from sglx.llm.mla_kv_cache import MLATokenKVPool
+    from sglx.llm.forward_batch import ForwardMode
 
     gen = torch.Generator().manual_seed(0)
     rule = spec.page_size_rule(snap)
     page = rule.sizes[0] if rule else 4
     prefix_lens, extend_lens = [0, 13, 37], [21, 6, 1]
     total = [p + e + 1 for p, e in zip(prefix_lens, extend_lens)]
-    num_slots = (sum(-(-t // page) for t in total) + 3) * page
-    r2t = ReqToTokenPool(4, max(total) + page, device)
-    pool = MLATokenKVPool(num_slots, page, 1, R, DR, dtype, device=device)
-    page_ids = (torch.randperm(num_slots // page, generator=gen) + 1).tolist()
-    rows, latents = [], []
-    for t in total:
-        row = r2t.alloc()
-        assert row is not None
-        mine = [page_ids.pop() for _ in range(-(-t // page))]
-        r2t.req_to_token[row, :t] = torch.tensor([p * page + j for p in mine for j in range(page)][:t],
-                                                 dtype=torch.int32, device=device)
-        rows.append(row)
-        latents.append(torch.randn(t, R + DR, generator=gen).to(device, dtype))
-    for row, p, lat in zip(rows, prefix_lens, latents):
-        if p:
-            pool.set_latent(0, r2t.req_to_token[row, :p].long(), lat[:p, :R], lat[:p, R:])
+    paged = PagedLatents.build(prefix_lens, total, page, R, DR, dtype, device, gen)
+    latents = paged.latents
     layer = MLALayerSpec(0, H, DN, DR, DV, R, 0.9 * (DN + DR) ** -0.5)
     proj = MLAProjections.from_kv_b_proj((torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5).to(device, dtype),
                                          layer)
-    ctx = BackendContext(device, dtype, H, 1, R + DR, page, r2t, pool)  # type: ignore[arg-type]
+    ctx = BackendContext(device, dtype, H, 1, R + DR, page, paged.r2t, paged.pool)  # type: ignore[arg-type]
     backend = spec.load()(ctx)
     worst, elapsed = 0.0, 0.0
     lo, hi = prefix_lens, [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -61,16 +46,8 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
         n_new = [b - a for a, b in zip(lo, hi)]
         q_nope = torch.randn(sum(n_new), H, DN, generator=gen).to(device, dtype)
         q_pe = torch.randn(sum(n_new), H, DR, generator=gen).to(device, dtype)
-        new = torch.cat([lat[a:b] for lat, a, b in zip(latents, lo, hi)])
-        batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(sum(n_new), dtype=torch.long, device=device),
-            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]).to(device),
-            req_pool_indices=torch.tensor(rows, device=device), seq_lens=torch.tensor(hi, device=device),
-            out_cache_loc=torch.cat([r2t.req_to_token[r, a:b].long() for r, a, b in zip(rows, lo, hi)]),
-            req_to_token_pool=r2t, token_kv_pool=pool, attn_backend=backend,  # type: ignore[arg-type]
-            seq_lens_cpu=list(hi), extend_seq_lens_cpu=n_new if mode.is_extend else [],
-            extend_prefix_lens_cpu=list(lo) if mode.is_extend else [],
-        )
+        new = paged.new_latents(lo, hi)
+        batch = paged.step(mode, lo, hi, backend)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 
 from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.fa_metadata import cu_seqlens
-from sglx.attention.llm.fa_paged import KERNEL_DTYPES, MAX_HEAD_DIM, PagedFlashBackend, first_tensor
+from sglx.attention.llm.fa_paged import MAX_HEAD_DIM, PagedFlashBackend, first_tensor
 from sglx.attention.llm.mla_base import (
     MLAAttentionBackend,
     MLALayerSpec,
@@ -78,10 +78,7 @@ class FA4MLABackend(MLAAttentionBackend, PagedFlashBackend):
     # ------------------------------------------------------------------ construction checks
     def _check_context(self, ctx: BackendContext) -> None:
         pool = ctx.token_kv_pool
-        if ctx.device.type != "cuda":
-            raise self._fail(f"runs on NVIDIA GPUs only, and the device is {ctx.device.type}")
-        if ctx.dtype not in KERNEL_DTYPES:
-            raise self._fail(f"takes float16 or bfloat16, and the model runs in {ctx.dtype} (--dtype bfloat16)")
+        self._check_gpu_and_dtype(ctx)
         if getattr(pool, "fp8_dtype", None) is not None:
             raise self._fail(f"reads latents in the model dtype, and --kv-cache-dtype is {pool.kv_cache_dtype}")
 

@@ -41,12 +41,16 @@ class PagedFlashBackend(AttentionBackend):
     def _fail(self, what: str, instead: str | None = None) -> BackendUnavailableError:
         return BackendUnavailableError(f"attention backend {self.name}: {what}; use {instead or self.instead}")
 
-    def _check_context(self, ctx: BackendContext) -> None:
-        pool = ctx.token_kv_pool
+    def _check_gpu_and_dtype(self, ctx: BackendContext) -> None:
+        """The FlashAttention kernels run on NVIDIA GPUs in float16 / bfloat16 only."""
         if ctx.device.type != "cuda":
             raise self._fail(f"runs on NVIDIA GPUs only, and the device is {ctx.device.type}")
         if ctx.dtype not in KERNEL_DTYPES:
             raise self._fail(f"takes float16 or bfloat16, and the model runs in {ctx.dtype} (--dtype bfloat16)")
+
+    def _check_context(self, ctx: BackendContext) -> None:
+        pool = ctx.token_kv_pool
+        self._check_gpu_and_dtype(ctx)
         if getattr(pool, "is_fp8", False):
             raise self._fail(f"reads the KV cache in the model dtype, and --kv-cache-dtype is {pool.kv_cache_dtype}")
         if ctx.head_dim > MAX_HEAD_DIM or ctx.head_dim % 8 or pool.v_head_dim % 8:
