@@ -376,7 +376,8 @@ def extend_attention(
     block_d, dpe = head_split(dim)
     if dpe and (config.split_head is False or tma or fmt == 3):
         block_d, dpe = padded_dim(dim), 0
-    split_long = dpe > 0 and prefix_tokens + num_tokens >= LONG_SPLIT_KEYS * bs
+    # the large tile was measured (and fits shared memory) with values of at most 128, as MLA's expanded ones
+    split_long = dpe > 0 and dim_v <= 128 and prefix_tokens + num_tokens >= LONG_SPLIT_KEYS * bs
     block_m, block_n, num_warps, num_stages = _launch(config, dim, q.device, interpret, ext_heavy, tma, split_long)
     prefetch = not ext_heavy if config.prefetch_slots is None else config.prefetch_slots
     softcap = logit_cap > 0
