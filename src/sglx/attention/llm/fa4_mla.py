@@ -20,6 +20,7 @@ page table and lengths inside the graph, as the MHA fa backends do (`fa_paged.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from sglx.attention.llm.mla_base import (
     absorb_q,
     apply_uv,
     expand_latent,
+    expanded_key_bytes,
     expansion_groups,
 )
 from sglx.attention.llm.torch_native import gather_kv_indices
@@ -93,9 +95,7 @@ class FA4MLABackend(MLAAttentionBackend, PagedFlashBackend):
             return
         kv_indptr, kv_slots = gather_kv_indices(batch)
         q_lens = list(batch.extend_seq_lens_cpu)
-        q_indptr = [0]
-        for n in q_lens:
-            q_indptr.append(q_indptr[-1] + n)
+        q_indptr = list(accumulate(q_lens, initial=0))
         self.extend_plan = _ExtendPlan(q_indptr, kv_indptr, kv_slots.to(self.ctx.device), list(batch.seq_lens_cpu),
                                        q_lens)
 
@@ -103,7 +103,7 @@ class FA4MLABackend(MLAAttentionBackend, PagedFlashBackend):
                 ) -> list[tuple[range, torch.Tensor, torch.Tensor]]:
         """The step's request groups with their cu_seqlens_q / cu_seqlens_k (built once a step: every layer has the
         same heads and dims)."""
-        per_key = layer.num_heads * (layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim) * elem
+        per_key = expanded_key_bytes(layer, elem)
         if per_key not in plan.groups:
             device = self.ctx.device
             plan.groups[per_key] = [

@@ -103,10 +103,15 @@ def expand_latent(latent: torch.Tensor, proj: MLAProjections, spec: MLALayerSpec
     return k, v
 
 
+def expanded_key_bytes(layer: MLALayerSpec, elem: int) -> int:
+    """Bytes one key takes expanded per head (K: dn + dr, V: dv values of `elem` bytes each)."""
+    return layer.num_heads * (layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim) * elem
+
+
 def expansion_groups(seq_lens: list[int], layer: MLALayerSpec, elem: int, max_bytes: int) -> list[range]:
-    """Consecutive request ranges whose keys, expanded per head (K: dn + dr, V: dv values of `elem` bytes), fit
-    max_bytes; at least one request each, so one very long request still expands whole."""
-    per_key = layer.num_heads * (layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim) * elem
+    """Consecutive request ranges whose keys, expanded per head (`expanded_key_bytes`), fit max_bytes; at least one
+    request each, so one very long request still expands whole."""
+    per_key = expanded_key_bytes(layer, elem)
     groups, start, keys = [], 0, 0
     for i, n in enumerate(seq_lens):
         if i > start and (keys + n) * per_key > max_bytes:
