@@ -14,7 +14,7 @@ from rich.table import Table
 from sglx import __version__
 from sglx.attention.checks import run_check
 from sglx.attention.measured.record import gpu_class
-from sglx.attention.registry import LLMFeatures, all_backends, availability, chosen_variant, prefill_only
+from sglx.attention.registry import BackendSpec, LLMFeatures, all_backends, availability, chosen_variant
 from sglx.attention.request import AttentionRequest, Family
 from sglx.attention.requirements import device_name
 from sglx.attention.selection import LLMBackendArgs, ModelTraits, select_diffusion, select_llm
@@ -55,13 +55,19 @@ def _packages(snap: PlatformSnapshot) -> list[dict[str, Any]]:
     return out
 
 
+def _runs_prefill(spec: BackendSpec, snap: PlatformSnapshot) -> bool:
+    """Whether some phase of `spec` runs here (prefill asks the least: `decode_requires` do not apply)."""
+    return availability(spec, snap, AttentionRequest(family=spec.family, kind=spec.kind, phase="prefill")).ok
+
+
 def _backend_rows(snap: PlatformSnapshot, family: Family, kind: str) -> list[dict[str, Any]]:
     rows = []
     for spec in all_backends(family, kind):  # type: ignore[arg-type]
         avail = availability(spec, snap, AttentionRequest(family=family, kind=spec.kind))
         row: dict[str, Any] = {"name": spec.name, "aliases": list(spec.aliases), "title": spec.title,
                                "implemented": spec.implemented, "usable": avail.ok, "reasons": list(avail.reasons),
-                               "prefill_only": prefill_only(spec, snap)}  # usable as --prefill-attention-backend
+                               # usable as --prefill-attention-backend only
+                               "prefill_only": not avail.ok and _runs_prefill(spec, snap)}
         variant = chosen_variant(spec, snap) if avail.ok else None
         if variant is not None:  # which kernel of a several-kernel backend (fa: FA3 | FA4 | FA2) runs here
             row["variant"] = f"{variant.name} ({variant.module})"
@@ -105,7 +111,7 @@ def build_report(snap: PlatformSnapshot, family: Family | None = None, check: bo
         if check:
             results = []
             for spec in all_backends(fam, kind):  # type: ignore[arg-type]
-                if spec.implemented and (availability(spec, snap).ok or prefill_only(spec, snap)):
+                if spec.implemented and _runs_prefill(spec, snap):  # a prefill-only backend's check: its prefill
                     if on_check:
                         on_check(f"{fam}/{kind}/{spec.name}")
                     results.append(asdict(run_check(spec, snap)))
