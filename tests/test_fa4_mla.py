@@ -17,7 +17,6 @@ import torch
 from sglx.attention.llm.base import BackendContext
 from sglx.attention.llm.fa4_mla import FA4MLABackend
 from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
-from sglx.attention.llm.mla_reference import reference_mla
 from sglx.attention.llm.paged_latents import PagedLatents
 from sglx.attention.selection import LLMBackendArgs, ModelTraits, select_llm
 from sglx.errors import BackendUnavailableError
@@ -137,13 +136,9 @@ def test_fa4_mla_calls_match_float64(on_cpu: None, page: int, budget: int | None
             assert FA4Calls.log == [("absorbed", 3)]
         else:
             assert FA4Calls.log == ([("ragged", sum(new))] if budget is None else [("ragged", n) for n in new])
-        offset = 0
-        for i, (a, b) in enumerate(zip(lo, hi)):
-            ref = reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], paged.latents[i][:b],
-                                proj.w_uk, proj.w_uv, torch.arange(a, b), SPEC.scaling)
-            torch.testing.assert_close(out[offset:offset + b - a].double(), ref, atol=2e-5, rtol=0,
-                                       msg=f"{mode} request {i}")
-            offset += b - a
+        ref = paged.reference(q_nope, q_pe, lo, hi, proj, SPEC.scaling)
+        for i, (got, want) in enumerate(zip(out.split(new), ref.split(new), strict=True)):
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0, msg=f"{mode} request {i}")
         lo = hi
 
 

@@ -272,7 +272,6 @@ def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budg
         _fa4_prefill_or_skip()
     from sglx.attention.llm.base import BackendContext
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
-    from sglx.attention.llm.mla_reference import reference_mla
     from sglx.attention.llm.paged_latents import PagedLatents
     from sglx.attention.registry import find
     from sglx.llm.forward_batch import ForwardMode
@@ -283,7 +282,6 @@ def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budg
     totals = [p + n for p, n in zip(prefix, new)]
     gen = torch.Generator().manual_seed(page)
     paged = PagedLatents.build(prefix, totals, page, r, dr, dtype, DEV, gen)
-    latents = paged.latents
     proj = MLAProjections.from_kv_b_proj((torch.randn(heads * (dn + dv), r, generator=gen) * r ** -0.5).to(DEV, dtype),
                                          spec)
     backend = find(backend_name, "llm", "mla").load()(BackendContext(torch.device(DEV), dtype, heads, 1, r + dr, page,
@@ -296,12 +294,9 @@ def test_mla_extend_real_shapes_match_float64(backend_name: str, page: int, budg
     batch = paged.step(ForwardMode.EXTEND, prefix, totals, backend)
     backend.init_forward_metadata(batch)
     out = backend.forward_mla(q_nope, q_pe, fresh[:, :r], fresh[:, r:], spec, proj, batch)
-    offset = 0
-    for i, (p, t) in enumerate(zip(prefix, totals)):
-        ref = reference_mla(q_nope[offset:offset + t - p], q_pe[offset:offset + t - p], latents[i], proj.w_uk,
-                            proj.w_uv, torch.arange(p, t, device=DEV), spec.scaling)
-        assert (out[offset:offset + t - p].double() - ref).abs().max().item() < TOL[dtype], i
-        offset += t - p
+    ref = paged.reference(q_nope, q_pe, prefix, totals, proj, spec.scaling)
+    for i, (got, want) in enumerate(zip(out.split(new), ref.split(new), strict=True)):
+        assert (got.double() - want).abs().max().item() < TOL[dtype], i
 
 
 def _flashinfer_or_skip() -> None:

@@ -22,7 +22,6 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
     step alone for a backend whose decode does not run here, `prefill_only`)."""
     from sglx.attention.llm.base import BackendContext
     from sglx.attention.llm.mla_base import MLALayerSpec, MLAProjections
-    from sglx.attention.llm.mla_reference import reference_mla
     from sglx.attention.llm.paged_latents import PagedLatents
     from sglx.attention.registry import prefill_only
     from sglx.llm.forward_batch import ForwardMode
@@ -33,7 +32,6 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
     prefix_lens, extend_lens = [0, 13, 37], [21, 6, 1]
     total = [p + e + 1 for p, e in zip(prefix_lens, extend_lens)]
     paged = PagedLatents.build(prefix_lens, total, page, R, DR, dtype, device, gen)
-    latents = paged.latents
     layer = MLALayerSpec(0, H, DN, DR, DV, R, 0.9 * (DN + DR) ** -0.5)
     proj = MLAProjections.from_kv_b_proj((torch.randn(H * (DN + DV), R, generator=gen) * R ** -0.5).to(device, dtype),
                                          layer)
@@ -56,12 +54,8 @@ def mla_problem(spec: BackendSpec, snap: PlatformSnapshot, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed += time.perf_counter() - start
-        offset = 0
-        for lat, a, b in zip(latents, lo, hi):
-            ref = reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], lat[:b], proj.w_uk,
-                                proj.w_uv, torch.arange(a, b), layer.scaling)
-            worst = max(worst, (out[offset:offset + b - a].double() - ref).abs().max().item())
-            offset += b - a
+        ref = paged.reference(q_nope, q_pe, lo, hi, proj, layer.scaling)
+        worst = max(worst, (out.double() - ref).abs().max().item())
         lo, hi = hi, [b + 1 for b in hi]
     shape = (f"MLA bs=3 H={H} latent {R}+{DR} nope {DN} v {DV} page={page} prefix={prefix_lens} "
              f"extend={extend_lens}" + (" +1 decode" if decode else " (prefill only here)"))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglx.attention.llm.mla_base import MLAProjections
+from sglx.attention.llm.mla_reference import reference_mla
 from sglx.llm.forward_batch import ForwardBatch, ForwardMode
 from sglx.llm.kv_cache import ReqToTokenPool
 from sglx.llm.mla_kv_cache import MLATokenKVPool
@@ -52,6 +54,17 @@ class PagedLatents:
     def new_latents(self, lo: list[int], hi: list[int]) -> torch.Tensor:
         """The latents of every request's tokens lo..hi, in batch order: what the step stores."""
         return torch.cat([lat[a:b] for lat, a, b in zip(self.latents, lo, hi)])
+
+    def reference(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lo: list[int], hi: list[int], proj: MLAProjections,
+                  scale: float) -> torch.Tensor:
+        """float64 outputs [T, H, dv] a step must return (`reference_mla`): each request's queries at positions
+        lo..hi over its latents 0..hi, in batch order."""
+        refs, offset = [], 0
+        for lat, a, b in zip(self.latents, lo, hi):
+            refs.append(reference_mla(q_nope[offset:offset + b - a], q_pe[offset:offset + b - a], lat[:b], proj.w_uk,
+                                      proj.w_uv, torch.arange(a, b), scale))
+            offset += b - a
+        return torch.cat(refs)
 
     def step(self, mode: ForwardMode, lo: list[int], hi: list[int], backend: object) -> ForwardBatch:
         """The batch that takes every request from lo to hi tokens (EXTEND, MIXED or DECODE) on `backend`."""
